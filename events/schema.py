@@ -1,0 +1,276 @@
+"""The KV-event wire schema of vLLM 0.32, as msgspec Structs (spec §2.1).
+
+One set of Structs is the schema, the validator and the codec. vLLM 0.32 encodes each event as
+a msgpack map tagged by ``"type"`` (PR #42892) inside a positional batch array
+``[ts, events, data_parallel_rank]``; older releases encoded events as positional arrays
+``["BlockStored", block_hashes, parent, ...]``. :func:`decode_batch` accepts both, sniffing the
+msgpack type of every event (map or array) and decoding each event exactly once.
+
+Fields that vLLM always writes (possibly as nil) but that older producers lack
+(``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``)
+default to ``UNSET`` so that a missing key is tolerated; after decoding they read as
+``None`` (``[]`` and ``0`` for the token list and block size) and they are always written on
+encoding, which is what vLLM 0.32 does. Unknown extra keys are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+__all__ = [
+    "AllBlocksCleared",
+    "BatchDecodeError",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "DecodedBatch",
+    "EventDecodeError",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "Medium",
+    "UnknownEvent",
+    "decode_batch",
+    "encode_batch",
+]
+
+#: A wire block hash: a uint64 (the low 8 bytes of the digest, big-endian; values above 2**63
+#: are normal) or the raw digest bytes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (§1.5).
+BlockHash = int | bytes
+
+#: Storage tier of an event (§2.1); ``None`` when an old producer did not say (read as GPU).
+Medium = Literal["GPU", "CPU", "STORAGE"]
+
+#: vLLM's ``KVCacheSpecKind`` values (§2.3); kept as plain strings so a new kind decodes.
+KNOWN_SPEC_KINDS = frozenset(
+    {
+        "full_attention",
+        "mla_attention",
+        "sliding_window",
+        "sliding_window_mla",
+        "mamba",
+        "chunked_local_attention",
+        "sink_full_attention",
+        "encoder_only_attention",
+        "cross_attention",
+        "unknown",
+    }
+)
+
+
+class _Event(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Base of the map-encoded events (vLLM's ``KVCacheEvent``: tagged, defaults omitted)."""
+
+
+class BlockStored(_Event):
+    """Blocks newly inserted into one KV-cache group of one tier (§2.1, §2.4).
+
+    ``token_ids`` covers the whole newly cached range while ``block_hashes`` lists only the
+    blocks actually inserted (sliding-window and Mamba groups insert checkpoints only), so a
+    hash cannot be placed from its index: consumers test membership by hash instead.
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | UnsetType | None = UNSET
+    token_ids: list[int] | UnsetType = UNSET
+    block_size: int | UnsetType = UNSET
+    lora_id: int | UnsetType | None = UNSET
+    medium: str | UnsetType | None = UNSET
+    lora_name: str | UnsetType | None = UNSET
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise "absent" to vLLM's nil so consumers see one value and re-encoding writes
+        # the key the way vLLM 0.32 does.
+        if self.parent_block_hash is UNSET:
+            self.parent_block_hash = None
+        if self.token_ids is UNSET:
+            self.token_ids = []
+        if self.block_size is UNSET:
+            self.block_size = 0
+        if self.lora_id is UNSET:
+            self.lora_id = None
+        if self.medium is UNSET:
+            self.medium = None
+        if self.lora_name is UNSET:
+            self.lora_name = None
+
+    @property
+    def group_aware(self) -> bool:
+        """False when the producer sent no ``group_idx``: a single group 0 of unknown kind
+        (pre-#37688 vLLM or a connector path, spec §6 item 2)."""
+        return self.group_idx is not None
+
+
+class BlockRemoved(_Event):
+    """Blocks evicted from one group; GPU removals carry exactly one hash each (§2.1)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | UnsetType | None = UNSET
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.medium is UNSET:
+            self.medium = None
+
+    @property
+    def group_aware(self) -> bool:
+        """See :attr:`BlockStored.group_aware`."""
+        return self.group_idx is not None
+
+
+class AllBlocksCleared(_Event):
+    """The replica's prefix cache was reset: every tier and group of it is empty (§2.2)."""
+
+
+class UnknownEvent(msgspec.Struct, frozen=True, gc=False):
+    """An event this SDK could not type: a tag it does not know (a newer vLLM) or a
+    malformed entry. It is delivered, not dropped, so a consumer can count it and decide
+    whether its state is still trustworthy."""
+
+    index: int
+    """Position of the event inside its batch."""
+    error: str
+    raw: bytes
+    """The event's msgpack bytes, untouched."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+# Legacy positional-array encoding (before vLLM PR #42892): the tag is element 0 and the fields
+# follow in declaration order. Subclasses, so ``isinstance(ev, BlockStored)`` holds for both.
+class _LegacyBlockStored(BlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _LegacyBlockRemoved(BlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _LegacyAllBlocksCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+_LEGACY = {
+    BlockStored: _LegacyBlockStored,
+    BlockRemoved: _LegacyBlockRemoved,
+    AllBlocksCleared: _LegacyAllBlocksCleared,
+}
+
+_CANONICAL = {legacy: canon for canon, legacy in _LEGACY.items()}
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One engine step's events: ``[ts, events, data_parallel_rank]`` (§2.1).
+
+    ``data_parallel_rank`` is optional on the wire (2-element batches are accepted).
+    """
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class DecodedBatch(msgspec.Struct, gc=False):
+    """A decoded batch plus what could not be typed inside it."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent]
+    data_parallel_rank: int | None
+    unknown: int = 0
+    """How many entries of ``events`` are :class:`UnknownEvent`."""
+    legacy: int = 0
+    """How many events used the legacy positional-array encoding."""
+
+
+class BatchDecodeError(ValueError):
+    """The batch envelope itself is not a KV-event batch (bad msgpack, wrong shape)."""
+
+
+class EventDecodeError(ValueError):
+    """One event could not be decoded; carried inside :class:`UnknownEvent`."""
+
+
+_batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
+_map_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+_array_decoder = msgspec.msgpack.Decoder(
+    _LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared
+)
+_encoder = msgspec.msgpack.Encoder()
+
+# msgpack first-byte ranges: fixmap 0x80-0x8f, map16 0xde, map32 0xdf; fixarray 0x90-0x9f,
+# array16 0xdc, array32 0xdd.
+_MAP_FIRST = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+_ARRAY_FIRST = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+
+
+def decode_batch(payload: bytes | memoryview) -> DecodedBatch:
+    """Decode one msgpack ``KVEventBatch`` payload.
+
+    Every event is sniffed by its first byte and decoded once, by the map decoder (vLLM
+    0.32) or the positional-array decoder (legacy). An event that fails alone becomes an
+    :class:`UnknownEvent` at its position so the rest of the batch is not lost; only a broken
+    envelope raises :class:`BatchDecodeError`.
+    """
+    try:
+        raw = _batch_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BatchDecodeError(f"not a KV-event batch: {exc}") from None
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent] = []
+    unknown = legacy = 0
+    map_decode = _map_decoder.decode
+    for i, ev in enumerate(raw.events):
+        first = memoryview(ev)[0]
+        try:
+            if first in _MAP_FIRST:
+                events.append(map_decode(ev))
+                continue
+            if first in _ARRAY_FIRST:
+                old = _array_decoder.decode(ev)
+                # Hand out the canonical classes so equality and ``type(ev) is`` checks do
+                # not depend on the producer's encoding.
+                events.append(_CANONICAL[type(old)](*msgspec.structs.astuple(old)))
+                legacy += 1
+                continue
+            error = f"event is msgpack type byte 0x{first:02x}, expected a map or an array"
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            error = str(exc)
+        events.append(UnknownEvent(i, error, bytes(ev)))
+        unknown += 1
+    return DecodedBatch(raw.ts, events, raw.data_parallel_rank, unknown, legacy)
+
+
+def encode_batch(batch: KVEventBatch, *, legacy: bool = False) -> bytes:
+    """Encode a batch exactly as vLLM 0.32 does (maps), or in the legacy array layout.
+
+    The legacy layout exists so consumers can be tested against old producers.
+    """
+    if legacy:
+        batch = KVEventBatch(
+            batch.ts, [_to_legacy(ev) for ev in batch.events], batch.data_parallel_rank
+        )
+    return _encoder.encode(batch)
+
+
+def _to_legacy(ev: Any) -> Any:
+    cls = _LEGACY.get(type(ev))
+    if cls is None:
+        return ev
+    return cls(**{f: getattr(ev, f) for f in ev.__struct_fields__})
