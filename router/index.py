@@ -1,0 +1,602 @@
+"""Presence of (group, wire hash) per replica, per tier: what each replica's cache holds.
+
+State follows the events alone, applied in stream order (spec §2.5, §5.2):
+
+- Keyed by ``(tier, group_idx, wire hash)``: the same hash value appears in every group for
+  one prefix, and a sliding-window removal must never touch the full-attention entry (§6.3-4).
+- Each key maps to a **replica bitmask** (one bit per replica and DP rank, a "slot"), so a
+  single lookup answers for every replica at once and the cost of a decision grows with the
+  prompt, not with replicas x prompt.
+- **Counts, not sets** (§0.7, §6.15): vLLM may hold several physical copies of a key and
+  sends one ``BlockRemoved`` per evicted copy. The bit stands for the first copy; further
+  copies live in a small side table that is empty in the common case.
+- Partial entries (an event ``block_size`` below the group's) go in the same table: their
+  hash is the chain hash at a boundary inside a block, so it can only ever match a
+  fine-grained lookup at that boundary (§1.4, §6.5).
+
+The index never guesses: a replica whose stream lost events it cannot recover, whose layout
+contradicts the pool's, or whose hashes fail the live conformance check is marked untrusted
+(with the reason) and predicts no hit until a known state returns.
+
+Memory is bounded by ``max_entries`` (see :class:`IndexLimits`). When the tables hold more
+keys than that, the oldest-inserted 10 % of the largest table are reclaimed. Reclaimed keys
+only ever make predictions lower than the truth (a missing key cannot create a hit), and their
+later removals are ignored like any unknown hash.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent
+from router.layout import (
+    GroupKind,
+    GroupSpec,
+    LayoutError,
+    ModelLayout,
+    ResolvedLayout,
+    resolve,
+)
+
+__all__ = [
+    "TIERS",
+    "IndexLimits",
+    "KVIndex",
+    "LayoutConflict",
+    "ReplicaKey",
+    "ReplicaStats",
+    "UnknownReplica",
+]
+
+log = logging.getLogger(__name__)
+
+#: Storage tiers, GPU first. An event with no medium (old producers) is a GPU event.
+TIERS = ("GPU", "CPU", "STORAGE")
+
+#: A routing target: a replica name and a DP rank (each rank is its own cache, §6.7).
+ReplicaKey = tuple[str, int]
+
+#: Rough CPython cost of one table entry (dict slot + int key), used for the byte estimate;
+#: bench/index_bench.py measures the real figure with tracemalloc.
+_BYTES_PER_ENTRY = 100
+_BYTES_PER_EXTRA = 180
+
+
+class UnknownReplica(KeyError):
+    """An operation named a replica the index does not hold."""
+
+    def __str__(self) -> str:
+        return f"unknown replica {self.args[0]!r}: add it with KVIndex.add_replica() first"
+
+
+class LayoutConflict(LayoutError):
+    """Events contradict the declared layout, or replicas of one pool disagree.
+
+    Names the field and both values so the operator can tell which side to fix.
+    """
+
+    def __init__(self, field_name: str, expected: object, observed: object, where: str) -> None:
+        self.field = field_name
+        self.expected = expected
+        self.observed = observed
+        self.where = where
+        super().__init__(
+            f"{where}: {field_name} is {observed!r} in the events but {expected!r} in the "
+            f"pool layout; fix the pool's config (or the replica's launch flags) so they agree"
+        )
+
+
+@dataclass(slots=True)
+class IndexLimits:
+    """Bounds and sampling rates; the defaults suit a few million cached blocks."""
+
+    max_entries: int = 20_000_000
+    """Keys across all tables before the reclaim rule runs (about 100 bytes each)."""
+    conformance_first: int = 64
+    """Root full-attention stores re-hashed per replica before sampling starts."""
+    conformance_every: int = 32
+    """After that, one root store in this many is re-hashed."""
+
+
+class ReplicaStats(msgspec.Struct):
+    """What the index knows about one replica's stream; read by the admin API."""
+
+    replica: str
+    dp_rank: int
+    trusted: bool
+    untrusted_reason: str | None
+    blocks: int
+    """Keys currently held (all tiers and groups; extra copies not included)."""
+    extra_copies: int
+    stored_blocks: int
+    removed_blocks: int
+    unknown_removals: int
+    partial_stores: int
+    clears: int
+    resets: int
+    unrecoverable_gaps: int
+    unknown_events: int
+    conformance_checked: int
+    conformance_mismatches: int
+    conformance_skipped: int
+    group_aware: bool | None
+
+
+@dataclass(slots=True)
+class _Replica:
+    name: str
+    dp_rank: int
+    slot: int
+    bit: int
+    trusted: bool = True
+    untrusted_reason: str | None = None
+    recoverable: bool = True
+    """Whether a known state (a clear or a restart) makes the replica trusted again: true
+    for lost events, false for wrong settings, which only a config fix cures."""
+    group_aware: bool | None = None
+    roots_seen: int = 0
+    counters: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            (
+                "stored_blocks",
+                "removed_blocks",
+                "unknown_removals",
+                "partial_stores",
+                "clears",
+                "resets",
+                "unrecoverable_gaps",
+                "unknown_events",
+                "conformance_checked",
+                "conformance_mismatches",
+                "conformance_skipped",
+            ),
+            0,
+        )
+    )
+
+
+class _Tier:
+    """Tables of one storage tier: per group, hash -> replica bitmask, plus extra copies."""
+
+    __slots__ = ("extra", "tables")
+
+    def __init__(self) -> None:
+        self.tables: list[dict[object, int]] = []
+        self.extra: list[dict[tuple[int, object], int]] = []
+
+    def group(self, g: int) -> tuple[dict[object, int], dict[tuple[int, object], int]]:
+        while len(self.tables) <= g:
+            self.tables.append({})
+            self.extra.append({})
+        return self.tables[g], self.extra[g]
+
+
+# Event kind strings mapped onto the layout's kinds; a missing group_idx means a single
+# full-attention group 0 (§6 item 2).
+_KIND_BY_NAME = {k.value: k for k in GroupKind}
+
+
+class KVIndex:
+    """The cache state of one pool (one served model) across its replicas and DP ranks.
+
+    ``layout`` may declare the groups; with ``layout.groups == ()`` they are learned from the
+    first events (kind, window, full-block size per ``group_idx``) and the rest (hash
+    settings, retention, prefix-match unit) is taken from ``layout``. ``conformance`` is an
+    optional callable ``(token_ids, block_size) -> list[wire hash]`` that recomputes what a
+    root full-attention store must contain (see :mod:`router.predict`).
+    """
+
+    def __init__(
+        self,
+        layout: ModelLayout,
+        *,
+        limits: IndexLimits | None = None,
+        conformance=None,
+        pool: str = "default",
+    ) -> None:
+        self.pool = pool
+        self.declared = layout
+        self.limits = limits or IndexLimits()
+        self.conformance = conformance
+        self._tiers = {t: _Tier() for t in TIERS}
+        self._replicas: dict[ReplicaKey, _Replica] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._learned: dict[int, GroupSpec] = {}
+        self._resolved: ResolvedLayout | None = resolve(layout) if layout.groups else None
+        self.entries = 0
+        self.extra_entries = 0
+        self.reclaimed = 0
+        self.generation = 0
+        """Bumped on every state change; lets callers cache per-generation results."""
+
+    # ----------------------------------------------------------------- replicas
+
+    def add_replica(self, name: str, dp_rank: int = 0) -> ReplicaKey:
+        """Give a replica (and DP rank) a slot; idempotent."""
+        key = (name, dp_rank)
+        if key not in self._replicas:
+            slot = self._free_slots.pop() if self._free_slots else self._next_slot
+            if slot == self._next_slot:
+                self._next_slot += 1
+            self._replicas[key] = _Replica(name, dp_rank, slot, 1 << slot)
+        return key
+
+    def remove_replica(self, name: str, dp_rank: int | None = None) -> None:
+        """Forget a replica (all its DP ranks by default) and free its slots."""
+        keys = [k for k in self._replicas if k[0] == name and dp_rank in (None, k[1])]
+        if not keys:
+            raise UnknownReplica(name if dp_rank is None else f"{name}/dp{dp_rank}")
+        for key in keys:
+            rep = self._replicas.pop(key)
+            self._wipe(rep)
+            self._free_slots.append(rep.slot)
+
+    def replicas(self) -> list[ReplicaKey]:
+        return list(self._replicas)
+
+    def _replica(self, key: ReplicaKey) -> _Replica:
+        try:
+            return self._replicas[key]
+        except KeyError:
+            raise UnknownReplica(f"{key[0]}/dp{key[1]}") from None
+
+    def slot_bit(self, key: ReplicaKey) -> int:
+        return self._replica(key).bit
+
+    def is_trusted(self, key: ReplicaKey) -> bool:
+        return self._replica(key).trusted
+
+    def untrusted_reason(self, key: ReplicaKey) -> str | None:
+        return self._replica(key).untrusted_reason
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def layout(self) -> ResolvedLayout | None:
+        """The resolved layout, or None while groups are still being learned."""
+        return self._resolved
+
+    def _learn(self, rep: _Replica, ev: BlockStored, g: int) -> str | None:
+        """Check a store's group metadata against the pool; returns a conflict or None."""
+        where = f"pool {self.pool!r} replica {rep.name}/dp{rep.dp_rank} group {g}"
+        if ev.group_idx is None:
+            kind = GroupKind.FULL_ATTENTION
+        else:
+            kind = _KIND_BY_NAME.get(ev.kv_cache_spec_kind or "", GroupKind.UNKNOWN)
+        window = ev.kv_cache_spec_sliding_window
+        declared = self.declared.groups
+        if declared:
+            if g >= len(declared):
+                return str(LayoutConflict("group count", len(declared), g + 1, where))
+            spec = declared[g]
+            if ev.group_idx is not None and ev.kv_cache_spec_kind is not None:
+                if kind != spec.kind and not (kind == GroupKind.FULL_ATTENTION and spec.is_fa_type):
+                    return str(LayoutConflict("kv_cache_spec_kind", spec.kind.value, kind, where))
+                if window is not None and window != spec.sliding_window:
+                    return str(LayoutConflict("sliding_window", spec.sliding_window, window, where))
+            if ev.block_size > spec.block_size:
+                return str(LayoutConflict("block_size", spec.block_size, ev.block_size, where))
+            return None
+        if kind == GroupKind.UNKNOWN:
+            return (
+                f"{where}: kv_cache_spec_kind is {ev.kv_cache_spec_kind!r}; kvrouter cannot "
+                f"learn this group's hit rule: declare the pool's groups in the config"
+            )
+        if kind == GroupKind.CHUNKED_LOCAL_ATTENTION:
+            return (
+                f"{where}: chunked_local_attention needs attention_chunk_size, which events "
+                f"do not carry: declare the pool's groups in the config"
+            )
+        if ev.block_size <= 0:
+            return None  # a placeholder (connector) event says nothing about the group
+        known = self._learned.get(g)
+        if known is None or ev.block_size > known.block_size:
+            if known is not None and (known.kind != kind or known.sliding_window != window):
+                return str(
+                    LayoutConflict("kv_cache_spec_kind", known.kind.value, kind.value, where)
+                )
+            self._learned[g] = GroupSpec(kind=kind, block_size=ev.block_size, sliding_window=window)
+            self._relearn(where)
+            return None
+        if known.kind != kind:
+            return str(LayoutConflict("kv_cache_spec_kind", known.kind.value, kind.value, where))
+        if known.sliding_window != window:
+            return str(LayoutConflict("sliding_window", known.sliding_window, window, where))
+        return None
+
+    def _relearn(self, where: str) -> None:
+        n = max(self._learned) + 1
+        if len(self._learned) != n:
+            self._resolved = None  # a gap in group indices: wait for the missing groups
+            return
+        groups = tuple(self._learned[i] for i in range(n))
+        layout = msgspec.structs.replace(self.declared, groups=groups)
+        try:
+            self._resolved = resolve(layout)
+        except LayoutError as exc:
+            log.warning("%s: learned layout not usable yet: %s", where, exc)
+            self._resolved = None
+
+    # ------------------------------------------------------------------ ingest
+
+    def apply_events(self, key: ReplicaKey, events: Iterable[object]) -> None:
+        """Apply one batch's events for one replica, strictly in order (§2.5)."""
+        rep = self._replica(key)
+        bit, slot, counters = rep.bit, rep.slot, rep.counters
+        tiers = self._tiers
+        entries = self.entries
+        for ev in events:
+            cls = type(ev)
+            if cls is BlockStored:
+                g = ev.group_idx
+                aware = g is not None
+                if rep.group_aware is not aware:
+                    if rep.group_aware is None:
+                        rep.group_aware = aware
+                    else:
+                        self._distrust(
+                            rep,
+                            "events with and without group_idx on one stream: kvrouter cannot "
+                            "tell which group they belong to (spec §6.2); restart the replica "
+                            "with one vLLM version",
+                            recoverable=True,
+                        )
+                if not aware:
+                    g = 0
+                if ev.medium in (None, "GPU") and ev.block_size > 0:
+                    problem = self._learn(rep, ev, g)
+                    if problem is not None:
+                        self._distrust(rep, problem, recoverable=False)
+                    spec = self._group_spec(g)
+                    if spec is not None and ev.block_size < spec.block_size:
+                        counters["partial_stores"] += 1
+                    elif (
+                        ev.parent_block_hash is None
+                        and self.conformance is not None
+                        and spec is not None
+                        and spec.is_fa_type
+                        and ev.block_hashes
+                        and ev.extra_keys is None
+                        and ev.lora_name is None
+                    ):
+                        self._check_conformance(rep, ev, spec)
+                table, extra = tiers[ev.medium or "GPU"].group(g)
+                for h in ev.block_hashes:
+                    m = table.get(h, 0)
+                    if m & bit:
+                        k = (slot, h)
+                        extra[k] = extra.get(k, 1) + 1
+                        self.extra_entries += 1
+                    else:
+                        if not m:
+                            entries += 1
+                        table[h] = m | bit
+                counters["stored_blocks"] += len(ev.block_hashes)
+            elif cls is BlockRemoved:
+                g = ev.group_idx if ev.group_idx is not None else 0
+                table, extra = tiers[ev.medium or "GPU"].group(g)
+                for h in ev.block_hashes:
+                    m = table.get(h, 0)
+                    if not m & bit:
+                        counters["unknown_removals"] += 1
+                        continue
+                    k = (slot, h)
+                    c = extra.get(k)
+                    if c is not None:
+                        self.extra_entries -= 1
+                        if c == 2:
+                            del extra[k]
+                        else:
+                            extra[k] = c - 1
+                        continue
+                    m &= ~bit
+                    if m:
+                        table[h] = m
+                    else:
+                        del table[h]
+                        entries -= 1
+                counters["removed_blocks"] += len(ev.block_hashes)
+            elif cls is AllBlocksCleared:
+                self.entries = entries
+                self._wipe(rep)
+                entries = self.entries
+                counters["clears"] += 1
+                if not rep.trusted and rep.recoverable:
+                    # A reset is a known state: the stream is usable again (§5.4).
+                    rep.trusted, rep.untrusted_reason = True, None
+            elif cls is UnknownEvent:
+                counters["unknown_events"] += 1
+                self._distrust(
+                    rep,
+                    f"lost events: an event could not be decoded ({ev.error}); upgrade kvrouter "
+                    f"or reset the replica's prefix cache",
+                    recoverable=True,
+                )
+            else:
+                raise TypeError(f"not a KV event: {ev!r}")
+        self.entries = entries
+        self.generation += 1
+        if entries > self.limits.max_entries:
+            self._reclaim()
+
+    def _group_spec(self, g: int) -> GroupSpec | None:
+        if self.declared.groups:
+            return self.declared.groups[g] if g < len(self.declared.groups) else None
+        return self._learned.get(g)
+
+    def _check_conformance(self, rep: _Replica, ev: BlockStored, spec: GroupSpec) -> None:
+        rep.roots_seen += 1
+        n = rep.roots_seen
+        lim = self.limits
+        if n > lim.conformance_first and (n - lim.conformance_first) % lim.conformance_every:
+            rep.counters["conformance_skipped"] += 1
+            return
+        try:
+            expected = self.conformance(ev.token_ids, ev.block_size)
+        except ValueError as exc:  # the hash settings themselves are unusable
+            rep.counters["conformance_mismatches"] += 1
+            self._distrust(rep, f"cannot recompute block hashes: {exc}", recoverable=False)
+            return
+        if expected is None:  # hash_block_size not known yet (groups still being learned)
+            rep.roots_seen -= 1
+            rep.counters["conformance_skipped"] += 1
+            return
+        rep.counters["conformance_checked"] += 1
+        got = list(ev.block_hashes)
+        if expected[: len(got)] != got:
+            i = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), 0)
+            rep.counters["conformance_mismatches"] += 1
+            exp_i = expected[i] if i < len(expected) else None
+            msg = (
+                f"hash settings mismatch: block {i} of a root full-attention store is "
+                f"{got[i]!r} in the events but kvrouter computes {exp_i!r}; check the pool's "
+                f"hash algo, PYTHONHASHSEED, int_block_hashes and block sizes against the "
+                f"replica's launch flags"
+            )
+            self._distrust(rep, msg, recoverable=False)
+
+    def _distrust(self, rep: _Replica, reason: str, *, recoverable: bool) -> None:
+        if rep.trusted or rep.untrusted_reason != reason:
+            log.warning(
+                "pool %r replica %s/dp%d untrusted: %s", self.pool, rep.name, rep.dp_rank, reason
+            )
+        if rep.trusted or rep.recoverable:
+            # A settings problem outranks lost events: it must not be cleared by a reset.
+            rep.untrusted_reason = reason
+            rep.recoverable = recoverable
+        rep.trusted = False
+        self.generation += 1
+
+    # --------------------------------------------------------- stream signals
+
+    def reset_replica(self, key: ReplicaKey) -> None:
+        """The replica restarted (its sequence went backwards, §3): vLLM comes back with an
+        empty cache and sends no event for it, so its state is wiped and known again."""
+        rep = self._replica(key)
+        self._wipe(rep)
+        rep.counters["resets"] += 1
+        rep.group_aware = None
+        if rep.recoverable:
+            rep.trusted, rep.untrusted_reason = True, None
+        self.generation += 1
+
+    def lost_events(self, key: ReplicaKey, detail: str) -> None:
+        """Events were lost and replay could not cover them (§3, §5.4).
+
+        The state is wiped and the replica predicts no hit until a known state returns: an
+        ``AllBlocksCleared`` (reset the replica's prefix cache) or a restart.
+        """
+        rep = self._replica(key)
+        self._wipe(rep)
+        rep.counters["unrecoverable_gaps"] += 1
+        self._distrust(
+            rep,
+            f"lost events ({detail}); call the replica's /reset_prefix_cache or restart it to "
+            f"return to a known state",
+            recoverable=True,
+        )
+
+    def mark_untrusted(self, key: ReplicaKey, reason: str, *, recoverable: bool = True) -> None:
+        """Distrust a replica for a reason found outside the event stream."""
+        self._distrust(self._replica(key), reason, recoverable=recoverable)
+
+    def _wipe(self, rep: _Replica) -> None:
+        bit, slot, keep = rep.bit, rep.slot, ~rep.bit
+        for tier in self._tiers.values():
+            for table, extra in zip(tier.tables, tier.extra, strict=True):
+                dead = []
+                for h, m in table.items():
+                    if m & bit:
+                        if m == bit:
+                            dead.append(h)
+                        else:
+                            table[h] = m & keep
+                for h in dead:
+                    del table[h]
+                self.entries -= len(dead)
+                for k in [k for k in extra if k[0] == slot]:
+                    self.extra_entries -= extra.pop(k) - 1
+        self.generation += 1
+
+    def _reclaim(self) -> None:
+        """Drop the oldest-inserted 10 % of the largest table (module docstring)."""
+        table, extra = max(
+            (
+                (t, e)
+                for tier in self._tiers.values()
+                for t, e in zip(tier.tables, tier.extra, strict=True)
+            ),
+            key=lambda te: len(te[0]),
+        )
+        victims = list(itertools.islice(table, max(1, len(table) // 10)))
+        for h in victims:
+            m = table.pop(h)
+            if extra:
+                for slot in range(self._next_slot):
+                    if m >> slot & 1:
+                        c = extra.pop((slot, h), None)
+                        if c is not None:
+                            self.extra_entries -= c - 1
+        self.entries -= len(victims)
+        self.reclaimed += len(victims)
+        log.warning(
+            "pool %r index over its entry budget: reclaimed %d keys", self.pool, len(victims)
+        )
+
+    # ------------------------------------------------------------------ lookup
+
+    def table(self, tier: str, group: int) -> dict[object, int]:
+        """The hash -> replica-bitmask table of one tier and group (empty if none yet)."""
+        t = self._tiers[tier]
+        return t.tables[group] if group < len(t.tables) else {}
+
+    def tiers_in_use(self) -> list[str]:
+        return [name for name, t in self._tiers.items() if any(t.tables)]
+
+    def copies(self, key: ReplicaKey, group: int, h: object, tier: str = "GPU") -> int:
+        """Physical copies of ``h`` the replica holds in ``group`` (0 if none)."""
+        rep = self._replica(key)
+        t = self._tiers[tier]
+        if group >= len(t.tables) or not t.tables[group].get(h, 0) & rep.bit:
+            return 0
+        return t.extra[group].get((rep.slot, h), 1)
+
+    # ------------------------------------------------------------------ stats
+
+    def nbytes(self) -> int:
+        """Estimated memory of the tables (see ``_BYTES_PER_ENTRY``)."""
+        size = 0
+        for t in self._tiers.values():
+            size += sum(sys.getsizeof(d) for d in t.tables)
+            size += sum(sys.getsizeof(d) for d in t.extra)
+        return size + self.entries * 36 + self.extra_entries * 120
+
+    def stats(self) -> list[ReplicaStats]:
+        out = []
+        for rep in self._replicas.values():
+            blocks = 0
+            extra_copies = 0
+            for t in self._tiers.values():
+                for table, extra in zip(t.tables, t.extra, strict=True):
+                    blocks += sum(1 for m in table.values() if m & rep.bit)
+                    extra_copies += sum(c - 1 for (s, _), c in extra.items() if s == rep.slot)
+            out.append(
+                ReplicaStats(
+                    replica=rep.name,
+                    dp_rank=rep.dp_rank,
+                    trusted=rep.trusted,
+                    untrusted_reason=rep.untrusted_reason,
+                    blocks=blocks,
+                    extra_copies=extra_copies,
+                    group_aware=rep.group_aware,
+                    **rep.counters,
+                )
+            )
+        return out

@@ -1,0 +1,297 @@
+"""router.index: presence per (tier, group, hash) with copy counts, applied in stream order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent
+from router.index import IndexLimits, KVIndex, LayoutConflict, UnknownReplica
+from router.layout import GroupKind, GroupSpec, ModelLayout
+
+FA_SWA = ModelLayout(
+    groups=(
+        GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),
+        GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=64),
+    )
+)
+LEARN = ModelLayout(groups=())
+A = ("A", 0)
+B = ("B", 0)
+
+
+def stored(hashes, group=0, kind="full_attention", block_size=16, parent=None, medium="GPU", **kw):
+    kw.setdefault("kv_cache_spec_sliding_window", 64 if kind == "sliding_window" else None)
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=list(range(block_size * max(1, len(hashes)))),
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        **kw,
+    )
+
+
+def removed(hashes, group=0, medium="GPU"):
+    return BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=group)
+
+
+def present(index: KVIndex, key, group, h, tier="GPU") -> bool:
+    return bool(index.table(tier, group).get(h, 0) & index.slot_bit(key))
+
+
+def make(layout=FA_SWA, **kw) -> KVIndex:
+    index = KVIndex(layout, **kw)
+    index.add_replica("A")
+    index.add_replica("B")
+    return index
+
+
+def test_swa_removal_keeps_fa_entry_of_same_hash() -> None:
+    index = make()
+    h = 2**64 - 1  # uint64 above 2**63 is an ordinary hash
+    index.apply_events(A, [stored([h], 0), stored([h], 1, "sliding_window")])
+    index.apply_events(A, [removed([h], 1)])
+    assert present(index, A, 0, h)
+    assert not present(index, A, 1, h)
+
+
+def test_copies_are_counted_not_set() -> None:
+    index = make()
+    index.apply_events(A, [stored([7]), stored([7]), stored([7])])
+    assert index.copies(A, 0, 7) == 3
+    index.apply_events(A, [removed([7]), removed([7])])
+    assert index.copies(A, 0, 7) == 1 and present(index, A, 0, 7)
+    index.apply_events(A, [removed([7])])
+    assert index.copies(A, 0, 7) == 0 and not present(index, A, 0, 7)
+    assert index.entries == 0 and index.extra_entries == 0
+
+
+def test_replicas_are_independent_bits() -> None:
+    index = make()
+    index.apply_events(A, [stored([1, 2])])
+    index.apply_events(B, [stored([2, 3])])
+    index.apply_events(A, [removed([2])])
+    assert not present(index, A, 0, 2) and present(index, B, 0, 2)
+    assert present(index, A, 0, 1) and present(index, B, 0, 3)
+
+
+def test_store_remove_store_in_one_batch_is_applied_in_order() -> None:
+    index = make()
+    index.apply_events(A, [stored([5]), removed([5]), stored([5])])
+    assert index.copies(A, 0, 5) == 1
+    index.apply_events(A, [removed([5]), stored([5]), removed([5])])
+    assert index.copies(A, 0, 5) == 0
+
+
+def test_unknown_removal_is_counted_and_ignored() -> None:
+    index = make()
+    index.apply_events(A, [stored([1])])
+    index.apply_events(A, [removed([99]), removed([1], group=1)])
+    (a, _) = index.stats()
+    assert a.unknown_removals == 2
+    assert present(index, A, 0, 1)
+
+
+def test_empty_block_hashes_store_is_harmless() -> None:
+    index = make()
+    index.apply_events(A, [stored([], 1, "sliding_window")])
+    assert index.entries == 0
+    assert index.stats()[0].trusted
+
+
+def test_all_blocks_cleared_wipes_only_that_replica_and_every_tier() -> None:
+    index = make()
+    index.apply_events(A, [stored([1, 2]), stored([3], medium="CPU")])
+    index.apply_events(B, [stored([1])])
+    index.apply_events(A, [AllBlocksCleared()])
+    assert not present(index, A, 0, 1) and not present(index, A, 0, 3, "CPU")
+    assert present(index, B, 0, 1)
+    assert index.entries == 1
+
+
+def test_tiers_are_separate() -> None:
+    index = make()
+    index.apply_events(A, [stored([1], medium="CPU")])
+    assert present(index, A, 0, 1, "CPU") and not present(index, A, 0, 1, "GPU")
+    assert index.tiers_in_use() == ["CPU"]
+
+
+def test_dp_ranks_are_separate_caches() -> None:
+    index = make()
+    r1 = index.add_replica("A", 1)
+    index.apply_events(r1, [stored([1])])
+    assert present(index, r1, 0, 1) and not present(index, A, 0, 1)
+    index.remove_replica("A")
+    with pytest.raises(UnknownReplica):
+        index.slot_bit(r1)
+    assert index.entries == 0
+
+
+def test_unknown_replica_error_names_the_fix() -> None:
+    index = make()
+    with pytest.raises(UnknownReplica, match="add_replica"):
+        index.apply_events(("C", 0), [stored([1])])
+
+
+def test_restart_wipes_and_keeps_trust() -> None:
+    index = make()
+    index.apply_events(A, [stored([1])])
+    index.reset_replica(A)
+    assert not present(index, A, 0, 1)
+    s = index.stats()[0]
+    assert s.trusted and s.resets == 1
+
+
+def test_lost_events_distrust_until_a_clear() -> None:
+    index = make()
+    index.apply_events(A, [stored([1])])
+    index.lost_events(A, "gap 5..9 not covered by the replay ring")
+    assert not index.is_trusted(A)
+    assert "reset_prefix_cache" in index.untrusted_reason(A)
+    assert not present(index, A, 0, 1)
+    index.apply_events(A, [stored([2])])
+    assert not index.is_trusted(A)
+    index.apply_events(A, [AllBlocksCleared(), stored([3])])
+    assert index.is_trusted(A) and present(index, A, 0, 3)
+
+
+def test_undecodable_event_distrusts() -> None:
+    index = make()
+    index.apply_events(A, [UnknownEvent(0, "Invalid value 'BlockMoved'", b"\x80")])
+    assert not index.is_trusted(A)
+    assert index.stats()[0].unknown_events == 1
+
+
+def test_learns_groups_from_events() -> None:
+    index = make(LEARN)
+    assert index.layout is None
+    index.apply_events(
+        A, [stored([1], 0, "sliding_window", 32), stored([1], 1, "full_attention", 32)]
+    )
+    lay = index.layout
+    assert lay is not None
+    assert [g.kind for g in lay.layout.groups] == ["sliding_window", "full_attention"]
+    assert lay.layout.groups[0].sliding_window == 64
+    assert lay.hash_block_size == 32 and lay.alignment == 32
+    assert lay.spec_groups[0].group_ids == (1,)  # full attention is looked up first
+
+
+def test_conflict_between_replicas_names_field_and_values() -> None:
+    index = make(LEARN)
+    index.apply_events(A, [stored([1], 0, "full_attention", 16)])
+    index.apply_events(B, [stored([1], 0, "sliding_window", 16)])
+    assert index.is_trusted(A)
+    assert not index.is_trusted(B)
+    reason = index.untrusted_reason(B)
+    assert (
+        "kv_cache_spec_kind" in reason and "sliding_window" in reason and "full_attention" in reason
+    )
+
+
+def test_conflict_with_declared_layout() -> None:
+    index = make()
+    index.apply_events(A, [stored([1], 1, "sliding_window", 16, kv_cache_spec_sliding_window=128)])
+    assert not index.is_trusted(A)
+    assert "sliding_window" in index.untrusted_reason(A)
+    assert "128" in index.untrusted_reason(A) and "64" in index.untrusted_reason(A)
+    # a settings problem survives a prefix-cache reset
+    index.apply_events(A, [AllBlocksCleared()])
+    assert not index.is_trusted(A)
+
+
+def test_layout_conflict_is_typed() -> None:
+    err = LayoutConflict("block_size", 16, 32, "pool p replica A/dp0 group 0")
+    assert err.field == "block_size" and err.expected == 16 and err.observed == 32
+    assert "block_size" in str(err) and "16" in str(err) and "32" in str(err)
+
+
+def test_partial_entry_is_counted_and_held() -> None:
+    layout = ModelLayout(
+        groups=(
+            GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=64),
+            GroupSpec(kind=GroupKind.MAMBA, block_size=64),
+        ),
+        prefix_match_unit=16,
+    )
+    index = make(layout)
+    index.apply_events(A, [stored([11], 0, "full_attention", 16, parent=10)])
+    assert present(index, A, 0, 11)
+    assert index.stats()[0].partial_stores == 1
+
+
+def test_missing_group_idx_means_group_zero_full_attention() -> None:
+    index = make(LEARN)
+    ev = BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None)
+    assert not ev.group_aware
+    index.apply_events(A, [ev])
+    assert present(index, A, 0, 1)
+    assert index.layout.layout.groups[0].kind == "full_attention"
+    assert index.stats()[0].group_aware is False
+    index.apply_events(A, [stored([3], 0)])  # now with group_idx: mixing is refused
+    assert not index.is_trusted(A)
+
+
+def test_conformance_mismatch_distrusts_with_both_values() -> None:
+    index = make(conformance=lambda tokens, bs: [100 + i for i in range(len(tokens) // bs)])
+    index.apply_events(A, [stored([100, 101])])
+    assert index.is_trusted(A)
+    index.apply_events(B, [stored([100, 555])])
+    assert not index.is_trusted(B)
+    reason = index.untrusted_reason(B)
+    assert "555" in reason and "101" in reason and "hash" in reason
+    s = {x.replica: x for x in index.stats()}
+    assert s["A"].conformance_checked == 1 and s["B"].conformance_mismatches == 1
+
+
+def test_conformance_is_sampled_after_the_first_stores() -> None:
+    calls = []
+    limits = IndexLimits(conformance_first=3, conformance_every=4)
+    index = make(limits=limits, conformance=lambda t, bs: calls.append(1) or [1])
+    for _ in range(11):
+        index.apply_events(A, [stored([1]), removed([1])])
+    s = index.stats()[0]
+    assert s.conformance_checked == len(calls) == 3 + 2  # roots 1-3, then 7 and 11
+    assert s.conformance_skipped == 6
+
+
+def test_reclaim_keeps_memory_bounded_and_never_adds_presence() -> None:
+    index = make(limits=IndexLimits(max_entries=1000))
+    for i in range(30):
+        index.apply_events(A, [stored(range(i * 100, i * 100 + 100))])
+    assert index.entries <= 1000
+    assert index.reclaimed > 0
+    table = index.table("GPU", 0)
+    assert all(h < 3000 for h in table)
+    assert present(index, A, 0, 2999)  # the newest keys survive
+
+
+def test_random_event_sequences_match_a_counting_model() -> None:
+    """Counts per (replica, tier, group, hash) equal a naive multiset model."""
+    rng = random.Random(7)
+    index = make()
+    model: dict[tuple, int] = {}
+    for _ in range(3000):
+        key = rng.choice([A, B])
+        g = rng.randrange(2)
+        tier = rng.choice(["GPU", "GPU", "CPU"])
+        h = rng.randrange(20)
+        kind = "full_attention" if g == 0 else "sliding_window"
+        mk = (key, tier, g, h)
+        if rng.random() < 0.55:
+            index.apply_events(key, [stored([h], g, kind, medium=tier, parent=1)])
+            model[mk] = model.get(mk, 0) + 1
+        else:
+            index.apply_events(key, [removed([h], g, tier)])
+            if model.get(mk):
+                model[mk] -= 1
+    for (key, tier, g, h), c in model.items():
+        assert index.copies(key, g, h, tier) == c, (key, tier, g, h)
+    assert index.entries == sum(
+        1 for tier in ("GPU", "CPU") for g in range(2) for _ in index.table(tier, g)
+    )
