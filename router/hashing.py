@@ -347,7 +347,7 @@ class _StepMemo:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._half = max(1, capacity // 2)
+        self._half = capacity // 2  # 0: a capacity of 1 keeps no old generation
         self._young: dict[Any, tuple[tuple[bytes, ...], tuple[Any, ...]]] = {}
         self._old: dict[Any, tuple[tuple[bytes, ...], tuple[Any, ...]]] = {}
         self.hits = 0
@@ -372,8 +372,8 @@ class _StepMemo:
             self._put_young(key, value)
 
     def _put_young(self, key: Any, value: tuple[tuple[bytes, ...], tuple[Any, ...]]) -> None:
-        if len(self._young) >= self._half:
-            self._old = self._young
+        if len(self._young) >= max(1, self._half):
+            self._old = self._young if self._half else {}
             self._young = {}
         self._young[key] = value
 
