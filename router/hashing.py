@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import sys
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import cbor2
@@ -288,6 +289,87 @@ _ALGO_PARTS: dict[
 }
 
 
+# Chain runners: hash units [start, stop) after `parent`, return their digests. The pickle
+# ones are written out with the calls inlined: per-block Python overhead is most of the cost.
+_Runner = Callable[
+    [bytes, Sequence[int], int, int, int, "Callable[[int], Any] | None"], list[bytes]
+]
+
+
+def _run_pickle_sha256(
+    p: bytes, toks: Sequence[int], H: int, start: int, stop: int, ex: Any
+) -> list[bytes]:
+    dumps = pickle.dumps
+    sha = hashlib.sha256
+    out: list[bytes] = []
+    append = out.append
+    if ex is None:
+        for a in range(start * H, stop * H, H):
+            p = sha(dumps((p, tuple(toks[a : a + H]), None), 5)).digest()
+            append(p)
+    else:
+        for u in range(start, stop):
+            a = u * H
+            p = sha(dumps((p, tuple(toks[a : a + H]), ex(u)), 5)).digest()
+            append(p)
+    return out
+
+
+def _run_pickle_xxh(
+    p: bytes, toks: Sequence[int], H: int, start: int, stop: int, ex: Any
+) -> list[bytes]:
+    dumps = pickle.dumps
+    xxh = xxhash.xxh3_128_digest
+    out: list[bytes] = []
+    append = out.append
+    if ex is None:
+        for a in range(start * H, stop * H, H):
+            p = xxh(dumps((p, tuple(toks[a : a + H]), None), 5))
+            append(p)
+    else:
+        for u in range(start, stop):
+            a = u * H
+            p = xxh(dumps((p, tuple(toks[a : a + H]), ex(u)), 5))
+            append(p)
+    return out
+
+
+def _cbor_runner(digest: Callable[[bytes], bytes]) -> _Runner:
+    def run(p: bytes, toks: Sequence[int], H: int, start: int, stop: int, ex: Any) -> list[bytes]:
+        out: list[bytes] = []
+        append = out.append
+        for u in range(start, stop):
+            a = u * H
+            p = digest(_cbor_block(p, toks[a : a + H], None if ex is None else ex(u)))
+            append(p)
+        return out
+
+    return run
+
+
+_RUNNERS: dict[str, _Runner] = {
+    "sha256": _run_pickle_sha256,
+    "sha256_cbor": _cbor_runner(_sha256),
+    "xxhash": _run_pickle_xxh,
+    "xxhash_cbor": _cbor_runner(xxhash.xxh3_128_digest),
+}
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _wires_of(digests: list[bytes]) -> list[int]:
+    """Wire ints of many digests at once (spec §1.5: low 8 bytes, big-endian).
+
+    Reversing the joined digests turns each digest's big-endian tail into a native
+    little-endian word, so one cast converts them all; per-digest int.from_bytes costs
+    more than the hashing it follows.
+    """
+    if len(digests) < 8 or not _LITTLE_ENDIAN:
+        return [int.from_bytes(d[-8:], "big") for d in digests]
+    words = memoryview(b"".join(digests)[::-1]).cast("Q")
+    return words[:: len(digests[0]) // 8].tolist()[::-1]
+
+
 def serializer_for(algo: str) -> Callable[[object], bytes]:
     """The byte serialization ``algo`` hashes (spec §1.1 table)."""
     return _ALGO_PARTS[_check_algo(algo)][0]
@@ -407,6 +489,7 @@ class BlockHasher:
         "_block",
         "_digest",
         "_memo",
+        "_run",
         "hash_block_size",
         "int_block_hashes",
         "none_hash",
@@ -431,6 +514,7 @@ class BlockHasher:
             raise ValueError("memo_entries must be >= 0 and memo_span >= 1")
         seed = none_hash_seed(settings)
         obj_ser, self._block, self._digest = _ALGO_PARTS[settings.algo]
+        self._run = _RUNNERS[settings.algo]
         self.settings = settings
         self.hash_block_size = hash_block_size
         self.int_block_hashes = settings.int_block_hashes
@@ -552,6 +636,23 @@ class LazyChain:
         """Wire hash of block ``j`` of a group with block size ``k*H`` (spec §1.4)."""
         return self.wire((j + 1) * k - 1)
 
+    def iter_block_wires(self, k: int = 1, start: int = 0) -> Iterator[int | bytes]:
+        """Wire hashes of blocks ``start, start+1, ...`` of a group with block size ``k*H``.
+
+        The cheap way to walk a hit left to right: a generator step costs less than a
+        :meth:`wire` call, and hashing still happens only as far as the walk goes.
+        """
+        if k < 1 or start < 0:
+            raise ValueError(f"need k >= 1 and start >= 0 (got k={k}, start={start})")
+        w = self._wires
+        n = self._n
+        i = (start + 1) * k - 1
+        while i < n:
+            if i >= len(w):
+                self.extend(i + 1)
+            yield w[i]
+            i += k
+
     def wires(self, n: int | None = None) -> list[int | bytes]:
         """The first ``n`` fine wire hashes (all by default), hashing what is missing."""
         n = _limit(self._n, n)
@@ -569,58 +670,47 @@ class LazyChain:
         ``eager`` says the caller will read the whole chain up to ``target``: the final short
         step is then memoized too, so an identical prompt is fully memoized next time.
         """
+        digests = self._digests
+        target = min(target, self._n)
+        if len(digests) >= target:
+            return
         h = self._hasher
         H = h.hash_block_size
         K = h.span
-        memo = h._memo
         n = self._n
+        memo = h._memo
+        use_memo = memo.capacity > 0
         toks = self._tokens
-        digests = self._digests
         wires = self._wires
-        target = min(target, n)
-        while len(digests) < target:
-            done = len(digests)
-            step_end = min(done - done % K + K, n)
-            if done % K == 0:
+        ex = self._extras
+        run = h._run
+        ints = h.int_block_hashes
+        while (done := len(digests)) < target:
+            off = done % K
+            step_end = min(done - off + K, n)
+            if off == 0:
                 # At a step boundary: one lookup may bring the whole step.
                 self._pending = None
-                if memo.capacity and (step_end - done == K or (eager and step_end <= target)):
-                    parent = digests[-1] if digests else h.none_hash
-                    ex = self._extras
+                if use_memo and (step_end - done == K or (eager and step_end <= target)):
                     key = (
-                        parent,
+                        digests[-1] if done else h.none_hash,
                         _token_key(toks[done * H : step_end * H]),
-                        None if ex is None else tuple(ex(u) for u in range(done, step_end)),
+                        None if ex is None else tuple(map(ex, range(done, step_end))),
                     )
                     hit = memo.get(key)
                     if hit is not None:
-                        digests.extend(hit[0])
-                        wires.extend(hit[1])
+                        digests += hit[0]
+                        wires += hit[1]
                         continue
                     self._pending = key
             stop = min(target, step_end)
-            self._hash_units(done, stop)
+            new = run(digests[-1] if done else h.none_hash, toks, H, done, stop, ex)
+            digests += new
+            wires += _wires_of(new) if ints else new
             if stop == step_end and self._pending is not None:
                 step_start = (step_end - 1) // K * K
                 memo.put(self._pending, (tuple(digests[step_start:]), tuple(wires[step_start:])))
                 self._pending = None
-
-    def _hash_units(self, start: int, stop: int) -> None:
-        h = self._hasher
-        H = h.hash_block_size
-        block = h._block
-        digest_fn = h._digest
-        ints = h.int_block_hashes
-        toks = self._tokens
-        ex = self._extras
-        digests = self._digests
-        wires = self._wires
-        p = digests[-1] if digests else h.none_hash
-        for u in range(start, stop):
-            a = u * H
-            p = digest_fn(block(p, toks[a : a + H], None if ex is None else ex(u)))
-            digests.append(p)
-            wires.append(int.from_bytes(p[-8:], "big") if ints else p)
 
 
 # --------------------------------------------------------------------------- group views

@@ -378,8 +378,8 @@ def test_expected_stored_hashes_dense_group() -> None:
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_wire_forms(algo: str) -> None:
-    toks = list(range(64))
-    ints = BlockHasher(settings_for(algo), 16)
+    toks = list(range(16 * 21))  # 21 units: wire ints are converted in bulk (>= 8 at once)
+    ints = BlockHasher(settings_for(algo), 16, memo_entries=0)
     raw = BlockHasher(settings_for(algo, ints=False), 16)
     digests = ints.digests(toks)
     size = 32 if algo.startswith("sha256") else 16
@@ -389,6 +389,10 @@ def test_wire_forms(algo: str) -> None:
     assert all(type(w) is int and 0 <= w <= U64 for w in wires)
     assert wires == [int.from_bytes(d, "big") & U64 for d in digests]
     assert wires == [to_wire(d, True) for d in digests] == [ints.to_wire(d) for d in digests]
+    memo = BlockHasher(settings_for(algo), 16, memo_span=4)
+    assert memo.wire_chain(toks) == wires == memo.wire_chain(toks)
+    lazy = memo.lazy_chain(toks)
+    assert [lazy.wire(i) for i in range(21)] == wires
 
 
 # --------------------------------------------------------------------------- lazy chain
@@ -420,6 +424,17 @@ def test_lazy_chain_equals_eager_and_uses_memo() -> None:
     assert warm.hashed == 8  # the whole first step came from the memo
     assert [warm.wire(i) for i in range(187)] == full
     assert warm.wires() == full and warm.wires(5) == full[:5]
+    walk = h.lazy_chain(toks).iter_block_wires(3, start=2)
+    assert next(walk) == full[8]
+    assert list(walk) == full[11::3]
+    fresh = BlockHasher(HashSettings(), 16).lazy_chain(toks)
+    for j, w in enumerate(fresh.iter_block_wires(2)):
+        assert w == full[2 * j + 1]
+        if j == 4:
+            break
+    assert fresh.hashed == 10  # the walk hashed only as far as it went
+    with pytest.raises(ValueError, match="k >= 1"):
+        next(fresh.iter_block_wires(0))
     cold = BlockHasher(HashSettings(), 16, memo_entries=0).lazy_chain(toks)
     assert [cold.wire(i) for i in range(186, -1, -1)][::-1] == full
 

@@ -1,0 +1,153 @@
+"""Cost of the block hash chain on the routing hot path (router/hashing.py).
+
+Measures a 32k-token prompt at H=16 (2048 fine hashes) per algorithm:
+
+- cold, no memo: every block hashed (what a never-seen long prompt costs if fully hashed);
+- cold, memo on: the same plus memo inserts (first sight of a prefix);
+- warm: the whole prompt seen before (repeated system prompt / multi-turn history);
+- warm stem + novel tail: 30k tokens seen before, 2k new;
+- lazy novel, first read: a never-seen prompt where the router stops at the first miss;
+- lazy warm, every fine hash read one by one with wire(i), and with iter_block_wires().
+
+Run:  .venv/bin/python bench/hashing_bench.py [--repeat N] [--quick]
+Writes bench/results/hashing_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pickle
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from router.hashing import BlockHasher
+from router.layout import HashSettings
+
+RESULTS = Path(__file__).resolve().parent / "results" / "hashing_bench.json"
+ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def timed(fn: Callable[[], object], setup: Callable[[], object] | None, repeat: int) -> dict:
+    """Median and best of ``repeat`` runs in microseconds; ``setup`` runs untimed before each."""
+    samples = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - t0) / 1000)
+    return {"median_us": statistics.median(samples), "min_us": min(samples), "runs": repeat}
+
+
+def naive_chain(tokens: list[int], H: int) -> list[int]:
+    """The obvious implementation, as the baseline: one pickle.dumps + sha256 per block."""
+    p = hashlib.sha256(pickle.dumps("vllm-none-hash", 5)).digest()
+    out = []
+    for a in range(0, len(tokens) - H + 1, H):
+        p = hashlib.sha256(pickle.dumps((p, tuple(tokens[a : a + H]), None), 5)).digest()
+        out.append(int.from_bytes(p[-8:], "big"))
+    return out
+
+
+def settings_for(algo: str) -> HashSettings:
+    return HashSettings(algo=algo, pythonhashseed="0" if algo.startswith("xxhash") else None)
+
+
+def bench_algo(algo: str, tokens: list[int], H: int, repeat: int, rng: random.Random) -> dict:
+    s = settings_for(algo)
+    nomemo = BlockHasher(s, H, memo_entries=0)
+    memo = BlockHasher(s, H)
+    stem = tokens[:30_720]
+    novel_tails = [[rng.randrange(150_000) for _ in range(2048)] for _ in range(repeat)]
+    tails = iter(novel_tails)
+    out = {
+        "cold_no_memo": timed(lambda: nomemo.wire_chain(tokens), None, repeat),
+        "cold_memo_insert": timed(lambda: memo.wire_chain(tokens), memo.clear_memo, repeat),
+    }
+    memo.clear_memo()
+    memo.wire_chain(tokens)
+    out["warm"] = timed(lambda: memo.wire_chain(tokens), None, repeat)
+    out["warm_stem_30k_novel_tail_2k"] = timed(
+        lambda: memo.wire_chain(stem + next(tails)), None, repeat
+    )
+
+    novel = iter([[rng.randrange(150_000) for _ in range(16)] + tokens[16:] for _ in range(repeat)])
+    out["lazy_novel_first_read"] = timed(lambda: memo.lazy_chain(next(novel)).wire(0), None, repeat)
+
+    def lazy_walk() -> None:
+        c = memo.lazy_chain(tokens)
+        w = c.wire
+        for i in range(len(c)):
+            w(i)
+
+    out["lazy_warm_read_all"] = timed(lazy_walk, None, repeat)
+
+    def lazy_iter() -> None:
+        for _ in memo.lazy_chain(tokens).iter_block_wires(1):
+            pass
+
+    out["lazy_warm_iter_all"] = timed(lazy_iter, None, repeat)
+    assert memo.wire_chain(tokens) == nomemo.wire_chain(tokens)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--tokens", type=int, default=32_768)
+    ap.add_argument("--quick", action="store_true", help="5 repeats, for a smoke run")
+    args = ap.parse_args(argv)
+    repeat = 5 if args.quick else args.repeat
+    H = 16
+    rng = random.Random(20260509)
+    tokens = [rng.randrange(150_000) for _ in range(args.tokens)]
+
+    results: dict = {
+        "tokens": args.tokens,
+        "hash_block_size": H,
+        "fine_hashes": args.tokens // H,
+        "python": sys.version.split()[0],
+        "machine": platform.machine(),
+        "baseline_naive_sha256": timed(lambda: naive_chain(tokens, H), None, repeat),
+        "algos": {},
+        "memo_span_sha256_warm": {},
+    }
+    for algo in ALGOS:
+        results["algos"][algo] = bench_algo(algo, tokens, H, repeat, rng)
+    for span in (1, 4, 16, 64):
+        h = BlockHasher(settings_for("sha256"), H, memo_span=span)
+        h.wire_chain(tokens)
+        results["memo_span_sha256_warm"][str(span)] = timed(
+            lambda h=h: h.wire_chain(tokens), None, repeat
+        )
+
+    cases = list(next(iter(results["algos"].values())))
+    print(f"{args.tokens} tokens, H={H} ({args.tokens // H} fine hashes), median of {repeat} (us)")
+    print(f"{'case':32}" + "".join(f"{a:>13}" for a in ALGOS))
+    for case in cases:
+        row = "".join(f"{results['algos'][a][case]['median_us']:>13.1f}" for a in ALGOS)
+        print(f"{case:32}{row}")
+    print(
+        f"{'naive pickle+sha256 baseline':32}{results['baseline_naive_sha256']['median_us']:>13.1f}"
+    )
+    print(
+        "sha256 warm by memo span K: "
+        + ", ".join(
+            f"K={k}: {v['median_us']:.1f}" for k, v in results["memo_span_sha256_warm"].items()
+        )
+    )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
