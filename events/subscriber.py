@@ -294,7 +294,7 @@ class Subscriber:
                             else:
                                 start = proc.on_replay(frames, now, out)
                         self._replay_io(idx, start, poller, where, out)
-                        if kind == _REPLAY and idx not in self._dealers:
+                        if kind == _REPLAY and self._dealers.get(idx) is not sock:
                             break  # that socket was just closed
                 for idx in core.expired(time.monotonic()):
                     with core.lock:
@@ -500,7 +500,7 @@ class AsyncSubscriber:
                         else:
                             start = proc.on_replay(frames, now, out)
                     await self._replay_io(idx, start, poller, where, out)
-                    if kind == _REPLAY and idx not in self._dealers:
+                    if kind == _REPLAY and self._dealers.get(idx) is not sock:
                         break
             for idx in core.expired(time.monotonic()):
                 with core.lock:
