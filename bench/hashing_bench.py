@@ -129,14 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     cases = list(next(iter(results["algos"].values())))
-    print(f"{args.tokens} tokens, H={H} ({args.tokens // H} fine hashes), median of {repeat} (us)")
-    print(f"{'case':32}" + "".join(f"{a:>13}" for a in ALGOS))
-    for case in cases:
-        row = "".join(f"{results['algos'][a][case]['median_us']:>13.1f}" for a in ALGOS)
-        print(f"{case:32}{row}")
     print(
-        f"{'naive pickle+sha256 baseline':32}{results['baseline_naive_sha256']['median_us']:>13.1f}"
+        f"{args.tokens} tokens, H={H} ({args.tokens // H} fine hashes), "
+        f"median / best of {repeat} runs, microseconds"
     )
+    print(f"{'case':30}" + "".join(f"{a:>17}" for a in ALGOS))
+
+    def cell(r: dict) -> str:
+        return f"{r['median_us']:>10.0f} /{r['min_us']:>5.0f}"
+
+    for case in cases:
+        print(f"{case:30}" + "".join(cell(results["algos"][a][case]) for a in ALGOS))
+    print(f"{'naive pickle+sha256 baseline':30}{cell(results['baseline_naive_sha256'])}")
     print(
         "sha256 warm by memo span K: "
         + ", ".join(
