@@ -536,8 +536,9 @@ def test_invariants(case) -> None:
     if num_tokens > 1:
         assert (r.limiting_group is None) == (r.hit_tokens == max_length)
         assert r.passes >= 1
-    if not any(sg.spec.eagle for sg in lay.spec_groups):
-        assert all(r.hit_tokens <= s for s in r.spec_group_hits)
+    # EAGLE included: each group's pass-1 call has its standalone drop flag and a max_length
+    # no larger, every finder is monotone in max_length, and the candidate never rises.
+    assert all(r.hit_tokens <= s for s in r.spec_group_hits)
     quiet = find_longest_cache_hit(lay, num_tokens, pool.has, explain=False)
     assert quiet.spec_group_hits == ()
     assert (quiet.hit_tokens, quiet.longest, quiet.passes) == (r.hit_tokens, r.longest, r.passes)
