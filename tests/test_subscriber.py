@@ -49,9 +49,11 @@ from tests.zmq_helpers import (
     Harness,
     LossyForwarder,
     RawPub,
+    dp_publishers,
     last_endpoint,
     prime,
     publish_until,
+    try_publisher,
     wait_for,
 )
 
@@ -760,31 +762,6 @@ def test_dp_stream_specs_follow_vllm_offsets() -> None:
         ("r/dp1", "tcp://10.0.0.1:5558", "tcp://10.0.0.1:5601", 1),
         ("r/dp2", "tcp://10.0.0.1:5559", "tcp://10.0.0.1:5602", 2),
     ]
-
-
-def try_publisher(endpoint: str, **kw: Any) -> EventPublisher | None:
-    try:
-        return EventPublisher(endpoint, **kw)
-    except EndpointError:
-        return None
-
-
-def dp_publishers(ranks: int) -> tuple[int, list[EventPublisher]]:
-    """Publishers for DP ranks 0..ranks-1 on consecutive loopback ports (retried on clash)."""
-    for _ in range(20):
-        with EventPublisher(LOOPBACK) as probe:
-            base = int(probe.endpoint.rsplit(":", 1)[1])
-        pubs: list[EventPublisher] = []
-        for r in range(ranks):
-            p = try_publisher(f"tcp://127.0.0.1:{base}", data_parallel_rank=r, bind=True)
-            if p is None:
-                break
-            pubs.append(p)
-        if len(pubs) == ranks:
-            return base, pubs
-        for p in pubs:
-            p.close()
-    raise AssertionError("no consecutive free ports found")
 
 
 def test_dp_ranks_in_one_subscriber() -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from events.publisher import EndpointError, EventPublisher
 from events.schema import KVEventBatch, encode_batch
 from events.stream import (
     END_SEQ,
@@ -311,3 +312,28 @@ def prime(publish: Callable[[], int], h: Harness, stream: str | None = None) -> 
     seq = publish_until(publish, lambda: h.batches(stream))
     h.wait_seq(seq, stream)
     return seq
+
+
+def try_publisher(endpoint: str, **kw: Any) -> EventPublisher | None:
+    try:
+        return EventPublisher(endpoint, **kw)
+    except EndpointError:
+        return None
+
+
+def dp_publishers(ranks: int) -> tuple[int, list[EventPublisher]]:
+    """Publishers for DP ranks 0..ranks-1 on consecutive loopback ports (retried on clash)."""
+    for _ in range(20):
+        with EventPublisher(LOOPBACK) as probe:
+            base = int(probe.endpoint.rsplit(":", 1)[1])
+        pubs: list[EventPublisher] = []
+        for r in range(ranks):
+            p = try_publisher(f"tcp://127.0.0.1:{base}", data_parallel_rank=r, bind=True)
+            if p is None:
+                break
+            pubs.append(p)
+        if len(pubs) == ranks:
+            return base, pubs
+        for p in pubs:
+            p.close()
+    raise AssertionError("no consecutive free ports found")
