@@ -29,7 +29,8 @@ Decisions (documented here because consumers depend on them):
   if the first batch seen after the restart is ``s > 0``, batches ``0..s-1`` are asked from
   the (new) replay ring, or reported as :class:`GapUnrecoverable` when they cannot be had.
   A restart whose first visible batch is numbered at or above ``expected`` cannot be told
-  apart from a continuation: vLLM 0.32 has no publisher epoch.
+  apart from a continuation, nor can a replay answered by a publisher that restarted after
+  the request: vLLM 0.32 has no publisher epoch.
 * A batch whose ``data_parallel_rank`` differs from the stream's expected rank is not
   delivered: :class:`RankMismatch` is, and it is counted. It comes from a misconfigured
   endpoint, and applying another rank's events would corrupt this rank's view. A batch
