@@ -177,6 +177,28 @@ class _Tier:
         return self.tables[g], self.extra[g]
 
 
+def _salt_of(ev: BlockStored) -> str | bool | None:
+    """The cache salt a root store was hashed with, None if none, False if unknowable.
+
+    On the wire each block's extra keys are None or an untagged tuple (§2.1): the LoRA name
+    first (its path, which the hash includes, is not published), then mm pairs, then the bare
+    salt on the block starting at token 0. Only a salt alone can be re-hashed here.
+    """
+    if ev.lora_name is not None:
+        return False
+    keys = ev.extra_keys
+    if keys is None:
+        return None
+    first, rest = (keys[0] if keys else None), keys[1:]
+    if any(k is not None for k in rest):
+        return False
+    if first is None:
+        return None
+    if isinstance(first, (list, tuple)) and len(first) == 1 and isinstance(first[0], str):
+        return first[0]
+    return False
+
+
 # Event kind strings mapped onto the layout's kinds; a missing group_idx means a single
 # full-attention group 0 (§6 item 2).
 _KIND_BY_NAME = {k.value: k for k in GroupKind}
@@ -188,8 +210,9 @@ class KVIndex:
     ``layout`` may declare the groups; with ``layout.groups == ()`` they are learned from the
     first events (kind, window, full-block size per ``group_idx``) and the rest (hash
     settings, retention, prefix-match unit) is taken from ``layout``. ``conformance`` is an
-    optional callable ``(token_ids, block_size) -> list[wire hash]`` that recomputes what a
-    root full-attention store must contain (see :mod:`router.predict`).
+    optional callable ``(token_ids, block_size, cache_salt) -> list[wire hash] | None`` that
+    recomputes what a root full-attention store must contain, or None when it cannot yet (see
+    :mod:`router.predict`).
     """
 
     def __init__(
@@ -363,8 +386,6 @@ class KVIndex:
                         and spec is not None
                         and spec.is_fa_type
                         and ev.block_hashes
-                        and ev.extra_keys is None
-                        and ev.lora_name is None
                     ):
                         self._check_conformance(rep, ev, spec)
                 table, extra = tiers[ev.medium or "GPU"].group(g)
@@ -432,6 +453,10 @@ class KVIndex:
         return self._learned.get(g)
 
     def _check_conformance(self, rep: _Replica, ev: BlockStored, spec: GroupSpec) -> None:
+        salt = _salt_of(ev)
+        if salt is False:  # LoRA or multimodal keys: the event lacks what the hash needs
+            rep.counters["conformance_skipped"] += 1
+            return
         rep.roots_seen += 1
         n = rep.roots_seen
         lim = self.limits
@@ -439,7 +464,7 @@ class KVIndex:
             rep.counters["conformance_skipped"] += 1
             return
         try:
-            expected = self.conformance(ev.token_ids, ev.block_size)
+            expected = self.conformance(ev.token_ids, ev.block_size, salt)
         except ValueError as exc:  # the hash settings themselves are unusable
             rep.counters["conformance_mismatches"] += 1
             self._distrust(rep, f"cannot recompute block hashes: {exc}", recoverable=False)

@@ -238,7 +238,7 @@ def test_missing_group_idx_means_group_zero_full_attention() -> None:
 
 
 def test_conformance_mismatch_distrusts_with_both_values() -> None:
-    index = make(conformance=lambda tokens, bs: [100 + i for i in range(len(tokens) // bs)])
+    index = make(conformance=lambda tokens, bs, salt: [100 + i for i in range(len(tokens) // bs)])
     index.apply_events(A, [stored([100, 101])])
     assert index.is_trusted(A)
     index.apply_events(B, [stored([100, 555])])
@@ -252,7 +252,7 @@ def test_conformance_mismatch_distrusts_with_both_values() -> None:
 def test_conformance_is_sampled_after_the_first_stores() -> None:
     calls = []
     limits = IndexLimits(conformance_first=3, conformance_every=4)
-    index = make(limits=limits, conformance=lambda t, bs: calls.append(1) or [1])
+    index = make(limits=limits, conformance=lambda t, bs, salt: calls.append(1) or [1])
     for _ in range(11):
         index.apply_events(A, [stored([1]), removed([1])])
     s = index.stats()[0]
