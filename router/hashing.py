@@ -653,7 +653,10 @@ class LazyChain:
         i = (start + 1) * k - 1
         while i < n:
             if i >= len(w):
-                self.extend(i + 1)
+                # Read ahead geometrically (1, 2, 4, ... up to 64 units): a walk that stops at
+                # once hashes one unit, a long walk costs a few calls instead of one per
+                # block, and at most 63 units are hashed beyond what the walk reads.
+                self.extend(max(i + 1, len(w) + min(max(len(w), 1), 64)))
             have = len(w)
             yield from w[i:have:k]  # everything already hashed, iterated in C
             i += -(-(have - i) // k) * k

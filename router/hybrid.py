@@ -51,6 +51,12 @@ Presence = Callable[[tuple[int, ...], int], bool]
 AnyPresence = Callable[[int], bool]
 """``has_any(fine_idx)``: at least one group holds the fine hash ``fine_idx``."""
 
+# Optional fast path. A presence oracle may also offer ``leading_run(group_ids, k, n_max)``
+# (and ``has_any`` may offer ``leading_run(k, n_max)``): the number of leading blocks
+# ``j < n_max`` of stride ``k`` that are all cached, i.e. exactly what the contiguous
+# full-attention loop would count. The router computes it for every replica at once in one
+# walk over the chain, instead of one oracle call per block per replica.
+
 Finder = Callable[
     [GroupSpec, tuple[int, ...], int, Presence, int, int, bool, bool, int],
     int,
@@ -112,11 +118,15 @@ def full_attention_hit(
     k = b // h
     limit = min(max_length, num_hashes * h)
     n_max = limit // b
-    n = 0
-    idx = k - 1
-    while n < n_max and has(group_ids, idx):
-        n += 1
-        idx += k
+    leading_run = getattr(has, "leading_run", None)
+    if leading_run is not None:
+        n = leading_run(group_ids, k, n_max)
+    else:
+        n = 0
+        idx = k - 1
+        while n < n_max and has(group_ids, idx):
+            n += 1
+            idx += k
     hit = n * b
     if fine_grained and k > 1:
         # Inner boundaries of block n are n*B + i*H, 0 < i < k; fine index n*k + i - 1.
@@ -457,10 +467,14 @@ def group_blind_hit(
             break
     k = b // h
     n_max = min(num_tokens - 1, nh * h) // b
-    n = 0
-    idx = k - 1
-    while n < n_max and has_any(idx):
-        n += 1
-        idx += k
+    leading_run = getattr(has_any, "leading_run", None)
+    if leading_run is not None:
+        n = leading_run(k, n_max)
+    else:
+        n = 0
+        idx = k - 1
+        while n < n_max and has_any(idx):
+            n += 1
+            idx += k
     hit = n * b
     return hit - hit % layout.alignment

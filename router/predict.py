@@ -1,11 +1,15 @@
 """A request's hit on every replica: hash its chain, look it up once, apply vLLM's rule.
 
-This composes the three pure-ish parts in the one direction data flows (spec §5.3):
+This composes the three parts in the one direction data flows (spec §5.3):
 :mod:`router.hashing` turns token ids into the request's fine chain of wire hashes (lazily, so
-a prompt that misses everywhere costs one or two block hashes), :mod:`router.index` answers
+a prompt that misses everywhere costs one memo step of hashing), :mod:`router.index` answers
 each ``(group, hash)`` lookup with a bitmask of replicas, and :mod:`router.hybrid` runs vLLM's
-``find_longest_cache_hit`` per replica over those cached masks. No lookup is repeated across
-replicas: the per-replica work is bit tests on masks already fetched.
+``find_longest_cache_hit`` per replica over those masks.
+
+No lookup is repeated across replicas. The contiguous full-attention run, the part of the
+rule that touches every block, is computed for all replicas in one walk over the chain
+(a bitmask of replicas still matching, narrowed block by block); the per-replica hybrid loop
+then only probes the few sliding-window / Mamba blocks it needs, from a shared mask cache.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ class ReplicaHit:
     untrusted_reason: str | None
     result: HitResult | None
     """The hybrid computation on the GPU tier (None when untrusted or no layout yet)."""
-    blind_hit_tokens: int
-    """What a group-blind router would predict from the same state (for comparison)."""
+    blind_hit_tokens: int | None = None
+    """What a group-blind router would predict from the same state (when asked for)."""
     tier_hits: dict[str, int] = field(default_factory=dict)
     """Hybrid hits computed on the lower tiers (CPU, STORAGE) alone, where events exist."""
 
@@ -56,14 +60,16 @@ class Prediction:
 
 
 class _Masks:
-    """Replica bitmasks of one tier at the request's fine indices, fetched once each."""
+    """Replica bitmasks of one tier at the request's fine indices, each fetched once."""
 
-    __slots__ = ("cache", "chain", "tables")
+    __slots__ = ("all_bits", "cache", "chain", "n_blocks_cap", "runs", "tables")
 
-    def __init__(self, index: KVIndex, tier: str, n_groups: int, chain: LazyChain) -> None:
+    def __init__(self, index: KVIndex, tier: str, n_groups: int, chain: LazyChain, all_bits: int):
         self.chain = chain
+        self.all_bits = all_bits
         self.tables = [index.table(tier, g) for g in range(n_groups)]
         self.cache: list[dict[int, int]] = [{} for _ in range(n_groups)]
+        self.runs: dict[object, tuple[dict[int, int], int]] = {}
 
     def mask(self, g: int, i: int) -> int:
         cache = self.cache[g]
@@ -72,30 +78,89 @@ class _Masks:
             m = cache[i] = self.tables[g].get(self.chain.wire(i), 0)
         return m
 
-    def presence(self, bit: int):
-        mask = self.mask
+    def leading_runs(self, group_ids: tuple[int, ...] | None, k: int) -> tuple[dict[int, int], int]:
+        """For every replica bit, how many leading stride-``k`` blocks are cached in all of
+        ``group_ids`` (or in any group when None). Returns ``(run by bit, walked)``: bits
+        absent from the dict matched all ``walked`` blocks."""
+        key = (group_ids, k)
+        got = self.runs.get(key)
+        if got is not None:
+            return got
+        alive = self.all_bits
+        stopped: dict[int, int] = {}
+        j = 0
+        if alive:
+            tables = [self.tables[g] for g in (group_ids or range(len(self.tables)))]
+            single = tables[0] if len(tables) == 1 else None
+            for h in self.chain.iter_block_wires(k):
+                if single is not None:
+                    m = single.get(h, 0)
+                elif group_ids is None:
+                    m = 0
+                    for t in tables:
+                        m |= t.get(h, 0)
+                else:
+                    m = alive
+                    for t in tables:
+                        m &= t.get(h, 0)
+                dropped = alive & ~m
+                if dropped:
+                    alive &= m
+                    while dropped:
+                        low = dropped & -dropped
+                        stopped[low] = j
+                        dropped ^= low
+                    if not alive:
+                        break
+                j += 1
+        got = self.runs[key] = (stopped, j)
+        return got
 
-        def has(group_ids: tuple[int, ...], i: int) -> bool:
-            return all(mask(g, i) & bit for g in group_ids)
 
-        return has
+class _Presence:
+    """One replica's view of :class:`_Masks`, with the hybrid module's fast path."""
 
-    def any_group(self, bit: int):
-        mask, groups = self.mask, range(len(self.tables))
+    __slots__ = ("bit", "masks")
 
-        def has_any(i: int) -> bool:
-            return any(mask(g, i) & bit for g in groups)
+    def __init__(self, masks: _Masks, bit: int) -> None:
+        self.masks = masks
+        self.bit = bit
 
-        return has_any
+    def __call__(self, group_ids: tuple[int, ...], i: int) -> bool:
+        mask, bit = self.masks.mask, self.bit
+        return all(mask(g, i) & bit for g in group_ids)
+
+    def leading_run(self, group_ids: tuple[int, ...], k: int, n_max: int) -> int:
+        stopped, walked = self.masks.leading_runs(group_ids, k)
+        return min(n_max, stopped.get(self.bit, walked))
+
+
+class _AnyPresence:
+    """Group-blind view: a block counts if any group holds it."""
+
+    __slots__ = ("bit", "masks")
+
+    def __init__(self, masks: _Masks, bit: int) -> None:
+        self.masks = masks
+        self.bit = bit
+
+    def __call__(self, i: int) -> bool:
+        mask, bit = self.masks.mask, self.bit
+        return any(mask(g, i) & bit for g in range(len(self.masks.tables)))
+
+    def leading_run(self, k: int, n_max: int) -> int:
+        stopped, walked = self.masks.leading_runs(None, k)
+        return min(n_max, stopped.get(self.bit, walked))
 
 
 class Predictor:
     """Predicts hits for one pool's index; also serves the index's live conformance check."""
 
-    def __init__(self, index: KVIndex, *, memo_entries: int = 1 << 18) -> None:
+    def __init__(self, index: KVIndex, *, memo_entries: int = 1 << 17) -> None:
         self.index = index
         self._memo_entries = memo_entries
         self._hasher: BlockHasher | None = None
+        self._hasher_for: tuple | None = None
         index.conformance = self._conformance
 
     def hasher(self) -> BlockHasher | None:
@@ -103,12 +168,13 @@ class Predictor:
         layout = self.index.layout
         if layout is None:
             return None
-        h = self._hasher
-        if h is None or h.hash_block_size != layout.hash_block_size:
-            h = self._hasher = BlockHasher(
+        want = (layout.layout.hash, layout.hash_block_size)
+        if self._hasher is None or self._hasher_for != want:
+            self._hasher = BlockHasher(
                 layout.layout.hash, layout.hash_block_size, memo_entries=self._memo_entries
             )
-        return h
+            self._hasher_for = want
+        return self._hasher
 
     def _conformance(
         self, token_ids: Sequence[int], block_size: int, cache_salt: str | None
@@ -126,11 +192,14 @@ class Predictor:
         *,
         skip_reading: bool = False,
         replicas: Sequence[ReplicaKey] | None = None,
+        explain: bool = False,
+        blind: bool = False,
     ) -> Prediction:
         """Each replica's hit for a request of ``token_ids`` (spec §5.3).
 
         ``skip_reading`` is for requests vLLM serves without reading the cache
-        (``prompt_logprobs``, §4.1): every hit is then 0.
+        (``prompt_logprobs``, §4.1): every hit is then 0. ``explain`` adds each spec group's
+        standalone hit (costs extra lookups); ``blind`` adds the group-blind prediction.
         """
         index = self.index
         layout = index.layout
@@ -138,35 +207,73 @@ class Predictor:
         hasher = self.hasher()
         n = len(token_ids)
         if layout is None or hasher is None or n == 0:
-            return Prediction(
-                n,
-                0,
-                layout,
-                tuple(
-                    ReplicaHit(r, 0, index.is_trusted(r), index.untrusted_reason(r), None, 0)
-                    for r in targets
-                ),
+            hits = tuple(
+                ReplicaHit(
+                    r, 0, index.is_trusted(r), index.untrusted_reason(r), None, 0 if blind else None
+                )
+                for r in targets
             )
+            return Prediction(n, 0, layout, hits)
         chain = hasher.lazy_chain(token_ids, keys)
+        trusted_bits = 0
+        for r in targets:
+            if index.is_trusted(r):
+                trusted_bits |= index.slot_bit(r)
         n_groups = len(layout.layout.groups)
-        gpu = _Masks(index, "GPU", n_groups, chain)
-        lower = [(t, _Masks(index, t, n_groups, chain)) for t in index.tiers_in_use() if t != "GPU"]
+        gpu = _Masks(index, "GPU", n_groups, chain, trusted_bits)
+        lower = [
+            (t, _Masks(index, t, n_groups, chain, trusted_bits))
+            for t in index.tiers_in_use()
+            if t != "GPU"
+        ]
+        nh = len(chain)
+        # A replica whose first full-attention block misses gets the same answer as every
+        # other such replica (nothing past it is probed), so it is computed once.
+        first = layout.spec_groups[0]
+        zero_run = None
+        if first.spec.is_fa_type and not layout.partial_hits and not explain:
+            zero_run = gpu.leading_runs(
+                first.group_ids, first.spec.block_size // layout.hash_block_size
+            )
+        zero_result: HitResult | None = None
         out = []
         for r in targets:
-            bit = index.slot_bit(r)
-            trusted = index.is_trusted(r)
-            if not trusted:
-                out.append(ReplicaHit(r, 0, False, index.untrusted_reason(r), None, 0))
+            if not index.is_trusted(r):
+                reason = index.untrusted_reason(r)
+                out.append(ReplicaHit(r, 0, False, reason, None, 0 if blind else None))
                 continue
-            res = find_longest_cache_hit(
-                layout, n, gpu.presence(bit), num_hashes=len(chain), skip_reading=skip_reading
-            )
-            blind = 0 if skip_reading else group_blind_hit(layout, n, gpu.any_group(bit))
+            bit = index.slot_bit(r)
+            shared = zero_run is not None and zero_run[0].get(bit, zero_run[1]) == 0
+            if shared and zero_result is not None:
+                res = zero_result
+            else:
+                res = find_longest_cache_hit(
+                    layout,
+                    n,
+                    _Presence(gpu, bit),
+                    num_hashes=nh,
+                    skip_reading=skip_reading,
+                    explain=explain,
+                )
+                if shared:
+                    zero_result = res
+            blind_hit = None
+            if blind:
+                blind_hit = (
+                    0
+                    if skip_reading
+                    else group_blind_hit(layout, n, _AnyPresence(gpu, bit), num_hashes=nh)
+                )
             tier_hits = {
                 t: find_longest_cache_hit(
-                    layout, n, m.presence(bit), num_hashes=len(chain), skip_reading=skip_reading
+                    layout,
+                    n,
+                    _Presence(m, bit),
+                    num_hashes=nh,
+                    skip_reading=skip_reading,
+                    explain=False,
                 ).hit_tokens
                 for t, m in lower
             }
-            out.append(ReplicaHit(r, res.hit_tokens, True, None, res, blind, tier_hits))
+            out.append(ReplicaHit(r, res.hit_tokens, True, None, res, blind_hit, tier_hits))
         return Prediction(n, chain.hashed, layout, tuple(out))

@@ -179,7 +179,11 @@ def replay(directory: Path, *, layout: ModelLayout | None = None) -> ReplaySumma
             pos += 1
         applied[req.replica] = pos
         pred = predictor.predict(
-            req.prompt_token_ids, skip_reading=req.prompt_logprobs, replicas=[key]
+            req.prompt_token_ids,
+            skip_reading=req.prompt_logprobs,
+            replicas=[key],
+            blind=True,
+            explain=True,
         ).replicas[0]
         limiting = None
         if pred.result is not None and pred.result.limiting_group is not None:
