@@ -1,0 +1,82 @@
+"""Feeds a subscriber's stream items into the index: the subscriber -> index edge of the flow.
+
+Every item the event SDK delivers maps to one index operation (spec §3, §5.4):
+
+=====================  =================================================================
+``StreamBatch``        apply its events in order to the stream's replica and DP rank
+``StreamReset``        the replica restarted empty (vLLM sends nothing for it): wipe, trusted
+``GapUnrecoverable``   events lost for good: wipe and distrust until a known state returns
+``MalformedMessage``   a batch that could not be read is a lost batch: same as a gap
+``RankMismatch``       the batch belonged to another rank's cache and was dropped: same
+=====================  =================================================================
+
+The index is not thread-safe: feed it from the thread (or event loop) that also reads it,
+e.g. an :class:`~events.subscriber.AsyncSubscriber` in the router's serving loop, or hold a
+lock around both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from events.stream import (
+    GapUnrecoverable,
+    MalformedMessage,
+    RankMismatch,
+    StreamBatch,
+    StreamItem,
+    StreamReset,
+)
+from router.index import KVIndex, ReplicaKey
+
+__all__ = ["IndexFeeder", "UnknownStream"]
+
+
+class UnknownStream(KeyError):
+    """An item came from a stream the feeder was not told about."""
+
+    def __str__(self) -> str:
+        return (
+            f"stream {self.args[0]!r} is not mapped to a replica: pass it in IndexFeeder's "
+            f"streams mapping"
+        )
+
+
+class IndexFeeder:
+    """Callable consumer of stream items (usable as ``Subscriber(on_item=feeder)``).
+
+    ``streams`` maps each stream name to the ``(replica, dp_rank)`` whose cache it describes;
+    the replicas are added to the index here.
+    """
+
+    def __init__(self, index: KVIndex, streams: Mapping[str, ReplicaKey]) -> None:
+        self.index = index
+        self.streams = dict(streams)
+        for name, dp_rank in self.streams.values():
+            index.add_replica(name, dp_rank)
+
+    def __call__(self, item: StreamItem) -> None:
+        try:
+            key = self.streams[item.stream]
+        except KeyError:
+            raise UnknownStream(item.stream) from None
+        cls = type(item)
+        if cls is StreamBatch:
+            self.index.apply_events(key, item.batch.events)
+        elif cls is StreamReset:
+            self.index.reset_replica(key)
+        elif cls is GapUnrecoverable:
+            self.index.lost_events(
+                key, f"batches {item.expected}..{item.got - 1} lost ({item.reason})"
+            )
+        elif cls is MalformedMessage:
+            where = "an unreadable message" if item.seq is None else f"batch {item.seq}"
+            self.index.lost_events(key, f"{where} could not be decoded: {item.reason}")
+        elif cls is RankMismatch:
+            self.index.lost_events(
+                key,
+                f"batch {item.seq} came from DP rank {item.got_rank}, not {item.expected_rank}: "
+                f"check the stream's endpoint and dp_rank",
+            )
+        else:
+            raise TypeError(f"not a stream item: {item!r}")

@@ -1,0 +1,102 @@
+"""publisher -> subscriber -> index -> prediction over real ZeroMQ sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+from zmq_helpers import wait_for
+
+from events.publisher import EventPublisher
+from events.schema import BlockRemoved, BlockStored, DecodedBatch
+from events.stream import GapUnrecoverable, MalformedMessage, RankMismatch, StreamBatch, StreamSpec
+from events.subscriber import Subscriber
+from router.hashing import BlockHasher
+from router.index import KVIndex
+from router.ingest import IndexFeeder, UnknownStream
+from router.layout import GroupKind, GroupSpec, ModelLayout
+from router.predict import Predictor
+
+LAYOUT = ModelLayout(
+    groups=(
+        GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),
+        GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=64),
+    )
+)
+LOOPBACK = "tcp://127.0.0.1:*"
+
+
+def prompt_events(tokens: list[int]) -> list[BlockStored]:
+    """What vLLM stores for a fresh prompt: FA dense, SWA the 4 blocks before its boundary."""
+    wire = BlockHasher(LAYOUT.hash, 16).wire_chain(tokens)
+    boundary = (len(tokens) - 1) // 16
+    common = dict(parent_block_hash=None, lora_id=None, medium="GPU", lora_name=None)
+    fa = BlockStored(
+        block_hashes=wire,
+        token_ids=tokens,
+        block_size=16,
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+        **common,
+    )
+    swa = BlockStored(
+        block_hashes=wire[boundary - 4 : boundary],
+        token_ids=tokens,
+        block_size=16,
+        group_idx=1,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=64,
+        **common,
+    )
+    return [fa, swa]
+
+
+def test_events_over_zmq_drive_exact_predictions() -> None:
+    tokens = list(range(1000, 1200))  # 200 tokens: FA blocks 0..11, SWA tail 8..11
+    index = KVIndex(LAYOUT)
+    feeder = IndexFeeder(index, {"a": ("A", 0), "b": ("B", 0)})
+    predictor = Predictor(index)
+    with (
+        EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub_a,
+        EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub_b,
+    ):
+        specs = [
+            StreamSpec("a", pub_a.endpoint, pub_a.replay_endpoint, replay_from_start=True),
+            StreamSpec("b", pub_b.endpoint, pub_b.replay_endpoint, replay_from_start=True),
+        ]
+        with Subscriber(specs, on_item=feeder) as sub:
+            pub_a.publish(prompt_events(tokens))
+            # Slow joiner: keep A's stream alive until its first batch was replayed in.
+            wait_for(
+                lambda: pub_a.publish([]) is not None and sub.stats()["a"].events >= 2,
+                what="A's store applied",
+            )
+            pred = predictor.predict(tokens)
+            assert pred.hit(("A", 0)).hit_tokens == 192  # spec §4.8 example 1
+            assert pred.hit(("B", 0)).hit_tokens == 0
+            # A sliding-window eviction limits the hit although every FA block remains.
+            wire = BlockHasher(LAYOUT.hash, 16).wire_chain(tokens)
+            pub_a.publish([BlockRemoved(block_hashes=[wire[9]], medium="GPU", group_idx=1)])
+            wait_for(lambda: sub.stats()["a"].events >= 3, what="A's removal applied")
+            pred = predictor.predict(tokens)
+            assert pred.hit(("A", 0)).hit_tokens == 0
+            assert predictor.predict(tokens, blind=True).hit(("A", 0)).blind_hit_tokens == 192
+
+
+def test_signals_map_to_trust_changes() -> None:
+    index = KVIndex(LAYOUT)
+    feeder = IndexFeeder(index, {"a": ("A", 0)})
+    batch = DecodedBatch(0.0, prompt_events(list(range(64))), 0)
+    feeder(StreamBatch("a", 0, batch, False, 0.0))
+    assert index.stats()[0].blocks > 0
+    feeder(GapUnrecoverable("a", 1, 5, "ring_overflow"))
+    assert not index.is_trusted(("A", 0))
+    assert "1..4" in index.untrusted_reason(("A", 0))
+    assert index.stats()[0].blocks == 0
+    index.reset_replica(("A", 0))
+    assert index.is_trusted(("A", 0))
+    feeder(MalformedMessage("a", 7, "bad msgpack"))
+    assert "batch 7" in index.untrusted_reason(("A", 0))
+    index.reset_replica(("A", 0))
+    feeder(RankMismatch("a", 8, 0, 1))
+    assert "DP rank 1" in index.untrusted_reason(("A", 0))
+    with pytest.raises(UnknownStream, match="streams mapping"):
+        feeder(StreamBatch("zz", 0, batch, False, 0.0))
