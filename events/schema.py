@@ -3,8 +3,8 @@
 One set of Structs is the schema, the validator and the codec. vLLM 0.32 encodes each event as
 a msgpack map tagged by ``"type"`` (PR #42892) inside a positional batch array
 ``[ts, events, data_parallel_rank]``; older releases encoded events as positional arrays
-``["BlockStored", block_hashes, parent, ...]``. :func:`decode_batch` accepts both, sniffing the
-msgpack type of every event (map or array) and decoding each event exactly once.
+``["BlockStored", block_hashes, parent, ...]``. :func:`decode_batch` accepts both, telling
+every event apart by its msgpack type (map or array) and decoding each event exactly once.
 
 Fields that vLLM always writes (possibly as nil) but that older producers lack
 (``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``)
@@ -208,11 +208,19 @@ class EventDecodeError(ValueError):
     """One event could not be decoded; carried inside :class:`UnknownEvent`."""
 
 
+class _TypedBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared | list]
+    data_parallel_rank: int | None = None
+
+
+# msgspec picks the event's type from its msgpack type: a map is a tagged 0.32 event, an
+# array is a legacy event (decoded once into a list, then converted field by field).
+_typed_decoder = msgspec.msgpack.Decoder(_TypedBatch)
 _batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
 _map_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
-_array_decoder = msgspec.msgpack.Decoder(
-    _LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared
-)
+_LegacyEvent = _LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared
+_array_decoder = msgspec.msgpack.Decoder(_LegacyEvent)
 _encoder = msgspec.msgpack.Encoder()
 
 # msgpack first-byte ranges: fixmap 0x80-0x8f, map16 0xde, map32 0xdf; fixarray 0x90-0x9f,
@@ -221,14 +229,41 @@ _MAP_FIRST = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 _ARRAY_FIRST = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
 
 
+def _canonical(old: Any) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    # Hand out the canonical classes so equality and ``type(ev) is`` checks do not depend on
+    # the producer's encoding.
+    return _CANONICAL[type(old)](*msgspec.structs.astuple(old))
+
+
 def decode_batch(payload: bytes | memoryview) -> DecodedBatch:
     """Decode one msgpack ``KVEventBatch`` payload.
 
-    Every event is sniffed by its first byte and decoded once, by the map decoder (vLLM
-    0.32) or the positional-array decoder (legacy). An event that fails alone becomes an
-    :class:`UnknownEvent` at its position so the rest of the batch is not lost; only a broken
+    Each event is told apart by its msgpack type (a map: vLLM 0.32's tagged form; an array:
+    the legacy positional form) and decoded once, in a single pass over the batch. Only when
+    some event is not a valid KV event does a second, per-event pass run: that event becomes
+    an :class:`UnknownEvent` at its position so the rest of the batch is not lost. A broken
     envelope raises :class:`BatchDecodeError`.
     """
+    try:
+        typed = _typed_decoder.decode(payload)
+    except msgspec.ValidationError:
+        return _decode_per_event(payload)
+    except msgspec.DecodeError as exc:
+        raise BatchDecodeError(f"not a KV-event batch: {exc}") from None
+    events = typed.events
+    legacy = 0
+    for i, ev in enumerate(events):
+        if type(ev) is list:
+            try:
+                events[i] = _canonical(msgspec.convert(ev, _LegacyEvent))
+            except msgspec.ValidationError:
+                return _decode_per_event(payload)
+            legacy += 1
+    return DecodedBatch(typed.ts, events, typed.data_parallel_rank, 0, legacy)
+
+
+def _decode_per_event(payload: bytes | memoryview) -> DecodedBatch:
+    """The salvage path: sniff and decode every event alone, keeping the undecodable ones."""
     try:
         raw = _batch_decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -243,10 +278,7 @@ def decode_batch(payload: bytes | memoryview) -> DecodedBatch:
                 events.append(map_decode(ev))
                 continue
             if first in _ARRAY_FIRST:
-                old = _array_decoder.decode(ev)
-                # Hand out the canonical classes so equality and ``type(ev) is`` checks do
-                # not depend on the producer's encoding.
-                events.append(_CANONICAL[type(old)](*msgspec.structs.astuple(old)))
+                events.append(_canonical(_array_decoder.decode(ev)))
                 legacy += 1
                 continue
             error = f"event is msgpack type byte 0x{first:02x}, expected a map or an array"
