@@ -58,6 +58,32 @@ class Prediction:
                 return r
         raise KeyError(replica)
 
+    def as_dict(self) -> dict:
+        """A JSON-ready explanation: per replica the hit, each spec group's standalone hit
+        and the group that limited it (what ``POST /admin/route/explain`` returns)."""
+        spec_groups = self.layout.spec_groups if self.layout is not None else ()
+        names = [f"{sg.spec.kind}{list(sg.group_ids)}" for sg in spec_groups]
+        out = []
+        for r in self.replicas:
+            res = r.result
+            row: dict = {
+                "replica": r.replica[0],
+                "dp_rank": r.replica[1],
+                "hit_tokens": r.hit_tokens,
+                "trusted": r.trusted,
+                "untrusted_reason": r.untrusted_reason,
+                "group_blind_hit_tokens": r.blind_hit_tokens,
+                "tier_hits": r.tier_hits,
+            }
+            if res is not None:
+                row["spec_group_hits"] = dict(zip(names, res.spec_group_hits, strict=False))
+                row["limiting_group"] = (
+                    None if res.limiting_group is None else names[res.limiting_group]
+                )
+                row["num_uncached_common_prefix"] = res.num_uncached
+            out.append(row)
+        return {"num_tokens": self.num_tokens, "hashed_blocks": self.hashed, "replicas": out}
+
 
 class _Masks:
     """Replica bitmasks of one tier at the request's fine indices, each fetched once."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
-from router.index import KVIndex
+from router.index import KVIndex, ReplicaStats
 from router.layout import HashSettings, ModelLayout
 from router.predict import Predictor
 
@@ -79,6 +79,7 @@ class ReplaySummary:
     blind_max_abs_error: int = 0
     blind_over_predicted: int = 0
     rows: list[ReplayRow] = field(default_factory=list)
+    replicas: list[ReplicaStats] = field(default_factory=list)
 
     def as_json(self) -> dict:
         return {
@@ -90,6 +91,7 @@ class ReplaySummary:
             "blind_mean_abs_error": self.blind_mean_abs_error,
             "blind_max_abs_error": self.blind_max_abs_error,
             "blind_over_predicted": self.blind_over_predicted,
+            "replicas": [msgspec.to_builtins(r) for r in self.replicas],
         }
 
 
@@ -134,12 +136,14 @@ def replay(directory: Path, *, layout: ModelLayout | None = None) -> ReplaySumma
         raise RecordingError(f"{directory}/meta.json: {exc}") from None
     if layout is None:
         try:
-            settings = HashSettings(
-                algo=meta.prefix_caching_hash_algo,  # type: ignore[arg-type]
-                pythonhashseed=meta.pythonhashseed,
-                int_block_hashes=meta.kv_events_use_int_block_hashes,
+            settings = msgspec.convert(
+                {
+                    "algo": meta.prefix_caching_hash_algo,
+                    "pythonhashseed": meta.pythonhashseed,
+                    "int_block_hashes": meta.kv_events_use_int_block_hashes,
+                },
+                HashSettings,
             )
-            settings = msgspec.convert(msgspec.to_builtins(settings), HashSettings)
         except msgspec.ValidationError as exc:
             raise RecordingError(f"{directory}/meta.json: {exc}") from None
         layout = ModelLayout(
@@ -210,6 +214,7 @@ def replay(directory: Path, *, layout: ModelLayout | None = None) -> ReplaySumma
         summary.blind_max_abs_error = max(summary.blind_max_abs_error, berr)
         abs_err += err
         blind_abs += berr
+    summary.replicas = index.stats()
     if summary.requests:
         summary.mean_abs_error = abs_err / summary.requests
         summary.blind_mean_abs_error = blind_abs / summary.requests
@@ -217,16 +222,33 @@ def replay(directory: Path, *, layout: ModelLayout | None = None) -> ReplaySumma
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "Exit status: 0 when every prediction equals the recorded cached_tokens, 1 when some "
+        "differ, 2 when the recording cannot be read."
+    )
     parser.add_argument(
         "dir", type=Path, help="recording dir: meta.json, events-<replica>.jsonl, requests.jsonl"
+    )
+    parser.add_argument(
+        "--layout",
+        type=Path,
+        help="a TOML file declaring the pool's layout (router.layout.ModelLayout); by default "
+        "the groups are learned from the events and the hash settings read from meta.json",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--verbose", "-v", action="store_true", help="print one row per request")
 
 
 def run(args: argparse.Namespace) -> int:
+    layout = None
+    if args.layout is not None:
+        try:
+            layout = msgspec.toml.decode(args.layout.read_bytes(), type=ModelLayout)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            print(f"kvrouter replay: --layout {args.layout}: {exc}", file=sys.stderr)
+            return 2
     try:
-        summary = replay(args.dir)
+        summary = replay(args.dir, layout=layout)
     except RecordingError as exc:
         print(f"kvrouter replay: {exc}", file=sys.stderr)
         return 2
@@ -255,4 +277,10 @@ def run(args: argparse.Namespace) -> int:
             f"mean abs error {summary.blind_mean_abs_error:.1f}, max "
             f"{summary.blind_max_abs_error}, over-predicted {summary.blind_over_predicted}"
         )
+        for r in summary.replicas:
+            state = "trusted" if r.trusted else f"UNTRUSTED: {r.untrusted_reason}"
+            print(
+                f"replica {r.replica}: {state}; hash conformance: {r.conformance_checked} "
+                f"root stores re-hashed, {r.conformance_mismatches} mismatched"
+            )
     return 0 if summary.exact == summary.requests else 1
