@@ -8,7 +8,8 @@ the index actually holds. Sliding-window stores follow vLLM's default retention:
 ``ceil(4095/16) = 256`` blocks ending at the prompt's replay boundary (spec §4.7).
 
 Ingest is measured from encoded msgpack batches (vLLM 0.32 map encoding) to applied index
-state, on one core: ``decode_batch`` then ``KVIndex.apply_events``.
+state, on one core: ``decode_batch(lazy_token_ids=True)`` (what the router's subscriber uses:
+token ids stay encoded until a conformance check reads them) then ``KVIndex.apply_events``.
 
     python bench/index_bench.py            # full size (about a minute)
     python bench/index_bench.py --quick    # a smaller run for a smoke test
@@ -120,7 +121,7 @@ def ingest(index: KVIndex, per_replica: dict, blocks: int) -> tuple[float, float
     t0 = time.perf_counter()
     for key, payloads in per_replica.items():
         for p in payloads:
-            index.apply_events(key, decode_batch(p).events)
+            index.apply_events(key, decode_batch(p, lazy_token_ids=True).events)
     dt = time.perf_counter() - t0
     return dt, blocks / dt
 
@@ -221,7 +222,7 @@ def main() -> int:
         index.add_replica(*k)
     for key, payloads in per_replica.items():
         for p in payloads:
-            index.apply_events(key, decode_batch(p).events)
+            index.apply_events(key, decode_batch(p, lazy_token_ids=True).events)
     gc.collect()
     mem, _peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()

@@ -30,6 +30,7 @@ __all__ = [
     "EventDecodeError",
     "KVCacheEvent",
     "KVEventBatch",
+    "LazyTokensBlockStored",
     "Medium",
     "UnknownEvent",
     "decode_batch",
@@ -103,11 +104,30 @@ class BlockStored(_Event):
         if self.lora_name is UNSET:
             self.lora_name = None
 
+    def tokens(self) -> list[int]:
+        """The token ids of the covered range, however the event was decoded."""
+        return self.token_ids  # type: ignore[return-value]
+
     @property
     def group_aware(self) -> bool:
         """False when the producer sent no ``group_idx``: a single group 0 of unknown kind
         (pre-#37688 vLLM or a connector path, spec §6 item 2)."""
         return self.group_idx is not None
+
+
+class LazyTokensBlockStored(BlockStored, tag="BlockStored"):
+    """A :class:`BlockStored` whose ``token_ids`` are left msgpack-encoded (``msgspec.Raw``).
+
+    Token ids are most of an event's bytes, and a consumer that tracks presence by hash (the
+    router) needs them only now and then; ``decode_batch(..., lazy_token_ids=True)`` yields
+    this class so they are decoded on demand with :meth:`tokens`. Same wire form.
+    """
+
+    token_ids: msgspec.Raw | UnsetType = UNSET  # type: ignore[assignment]
+
+    def tokens(self) -> list[int]:
+        raw = self.token_ids
+        return _tokens_decoder.decode(raw) if isinstance(raw, msgspec.Raw) else list(raw)
 
 
 class BlockRemoved(_Event):
@@ -214,9 +234,18 @@ class _TypedBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+class _TypedLazyBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[LazyTokensBlockStored | BlockRemoved | AllBlocksCleared | list]
+    data_parallel_rank: int | None = None
+
+
+_tokens_decoder = msgspec.msgpack.Decoder(list[int])
+
 # msgspec picks the event's type from its msgpack type: a map is a tagged 0.32 event, an
 # array is a legacy event (decoded once into a list, then converted field by field).
 _typed_decoder = msgspec.msgpack.Decoder(_TypedBatch)
+_typed_lazy_decoder = msgspec.msgpack.Decoder(_TypedLazyBatch)
 _batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
 _map_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
 _LegacyEvent = _LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared
@@ -235,7 +264,7 @@ def _canonical(old: Any) -> BlockStored | BlockRemoved | AllBlocksCleared:
     return _CANONICAL[type(old)](*msgspec.structs.astuple(old))
 
 
-def decode_batch(payload: bytes | memoryview) -> DecodedBatch:
+def decode_batch(payload: bytes | memoryview, *, lazy_token_ids: bool = False) -> DecodedBatch:
     """Decode one msgpack ``KVEventBatch`` payload.
 
     Each event is told apart by its msgpack type (a map: vLLM 0.32's tagged form; an array:
@@ -243,9 +272,12 @@ def decode_batch(payload: bytes | memoryview) -> DecodedBatch:
     some event is not a valid KV event does a second, per-event pass run: that event becomes
     an :class:`UnknownEvent` at its position so the rest of the batch is not lost. A broken
     envelope raises :class:`BatchDecodeError`.
+
+    ``lazy_token_ids`` yields :class:`LazyTokensBlockStored` for map-encoded stores (about
+    three times faster for 16-token blocks); read their tokens with ``tokens()``.
     """
     try:
-        typed = _typed_decoder.decode(payload)
+        typed = (_typed_lazy_decoder if lazy_token_ids else _typed_decoder).decode(payload)
     except msgspec.ValidationError:
         return _decode_per_event(payload)
     except msgspec.DecodeError as exc:

@@ -42,6 +42,7 @@ Decisions (documented here because consumers depend on them):
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from typing import Literal
@@ -92,6 +93,9 @@ class StreamSpec(msgspec.Struct, frozen=True):
     dp_rank: int | None = None
     bind: bool = False
     replay_from_start: bool = False
+    lazy_token_ids: bool = False
+    """Deliver stores as :class:`~events.schema.LazyTokensBlockStored` (token ids decoded
+    on demand): for consumers that key state by hash, like the router's index."""
 
 
 class StreamBatch(msgspec.Struct, frozen=True, gc=False):
@@ -332,7 +336,7 @@ class StreamProcessor:
         self,
         spec: StreamSpec,
         *,
-        decode: Callable[[bytes], DecodedBatch] = decode_batch,
+        decode: Callable[[bytes], DecodedBatch] | None = None,
     ) -> None:
         self.spec = spec
         self.name = spec.name
@@ -342,6 +346,8 @@ class StreamProcessor:
             can_replay=spec.replay_endpoint is not None,
             replay_from_start=spec.replay_from_start,
         )
+        if decode is None:
+            decode = functools.partial(decode_batch, lazy_token_ids=spec.lazy_token_ids)
         self._decode = decode
         self._outputs: list[Output] = []
 

@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent
+from events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    LazyTokensBlockStored,
+    UnknownEvent,
+)
 from router.layout import (
     GroupKind,
     GroupSpec,
@@ -359,7 +365,7 @@ class KVIndex:
         entries = self.entries
         for ev in events:
             cls = type(ev)
-            if cls is BlockStored:
+            if cls is BlockStored or cls is LazyTokensBlockStored:
                 g = ev.group_idx
                 aware = g is not None
                 if rep.group_aware is not aware:
@@ -467,7 +473,7 @@ class KVIndex:
             rep.counters["conformance_skipped"] += 1
             return
         try:
-            expected = self.conformance(ev.token_ids, ev.block_size, salt)
+            expected = self.conformance(ev.tokens(), ev.block_size, salt)
         except ValueError as exc:  # the hash settings themselves are unusable
             rep.counters["conformance_mismatches"] += 1
             self._distrust(rep, f"cannot recompute block hashes: {exc}", recoverable=False)

@@ -296,3 +296,19 @@ def test_random_event_sequences_match_a_counting_model() -> None:
     assert index.entries == sum(
         1 for tier in ("GPU", "CPU") for g in range(2) for _ in index.table(tier, g)
     )
+
+
+def test_lazily_decoded_stores_apply_and_conform_like_eager_ones() -> None:
+    from events.schema import KVEventBatch, LazyTokensBlockStored, decode_batch, encode_batch
+
+    seen = []
+    index = make(conformance=lambda tokens, bs, salt: seen.append(tokens) or [100, 101])
+    ev = stored([100, 101])
+    payload = encode_batch(KVEventBatch(1.0, [ev, removed([100])], 0))
+    lazy = decode_batch(payload, lazy_token_ids=True).events
+    assert type(lazy[0]) is LazyTokensBlockStored
+    assert lazy[0].tokens() == ev.token_ids == decode_batch(payload).events[0].tokens()
+    index.apply_events(A, lazy)
+    assert seen == [ev.token_ids]  # the conformance check decoded the tokens on demand
+    assert not present(index, A, 0, 100) and present(index, A, 0, 101)
+    assert index.is_trusted(A)

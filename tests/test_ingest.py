@@ -59,7 +59,13 @@ def test_events_over_zmq_drive_exact_predictions() -> None:
         EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub_b,
     ):
         specs = [
-            StreamSpec("a", pub_a.endpoint, pub_a.replay_endpoint, replay_from_start=True),
+            StreamSpec(
+                "a",
+                pub_a.endpoint,
+                pub_a.replay_endpoint,
+                replay_from_start=True,
+                lazy_token_ids=True,
+            ),
             StreamSpec("b", pub_b.endpoint, pub_b.replay_endpoint, replay_from_start=True),
         ]
         with Subscriber(specs, on_item=feeder) as sub:
