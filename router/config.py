@@ -1,0 +1,352 @@
+"""The router's configuration: one msgspec schema for the TOML file, env vars and flags.
+
+Precedence, highest first (documented for operators in ``config/router-sim.toml``):
+
+1. command-line flags of ``kvrouter serve`` (``--host``, ``--port``, ``--admin-token``, ...);
+2. environment variables ``KVROUTER_<FIELD>`` for ``[server]`` fields (``KVROUTER_PORT``,
+   ``KVROUTER_ADMIN_TOKEN``, ...) and ``KVROUTER_INDEX_<FIELD>`` for ``[index]`` fields;
+3. the TOML file given with ``--config``;
+4. the defaults below.
+
+The same Struct validates every source (overrides are applied to the decoded file as plain
+data and the whole document is validated once more), so a bad value names its path whichever
+source it came from: ``router.toml: Expected `int`, got `str` - at `$.server.port```.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from events.publisher import EndpointError, offset_endpoint_port, validate_endpoint
+from router.layout import LayoutError, ModelLayout, resolve
+
+__all__ = [
+    "ConfigError",
+    "IndexConfig",
+    "PolicyConfig",
+    "PoolConfig",
+    "ReplicaConfig",
+    "RouterConfig",
+    "ServerConfig",
+    "StreamConfig",
+    "TokenizerConfig",
+    "apply_overrides",
+    "env_overrides",
+    "load_config",
+    "parse_config",
+]
+
+ENV_PREFIX = "KVROUTER_"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot start the router; the message names the file, the field
+    path and the fix."""
+
+
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The HTTP face and its limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_enabled: bool = True
+    admin_token: str | None = None
+    """Bearer token of ``/admin``. Required when ``host`` is not a loopback address."""
+    max_body_bytes: int = 8 << 20
+    """Larger request bodies get 413 before anything is parsed."""
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+    """Longest silence between two bytes of a replica's response."""
+    max_attempts: int = 3
+    """Replicas tried per request (failover happens only before the first response byte)."""
+    metrics_scrape_interval_s: float = 1.0
+    """How often each replica's ``/metrics`` is read for running/waiting/KV usage (0: never)."""
+    mismatch_log_size: int = 100
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0 seconds")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.metrics_scrape_interval_s < 0:
+            raise ValueError("metrics_scrape_interval_s must be >= 0 (0 disables scraping)")
+
+
+class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_bytes: int = 1 << 30
+    """Memory budget of each pool's index tables (router.index)."""
+    replay_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1 << 20:
+            raise ValueError(f"max_bytes must be >= 1 MiB, got {self.max_bytes}")
+        if self.replay_timeout_s <= 0:
+            raise ValueError("replay_timeout_s must be > 0")
+
+
+class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the router computes the token ids the replica will compute (router.tokenize)."""
+
+    strategy: Literal["builtin", "local", "remote"] = "builtin"
+    path: str | None = None
+    """``local``: the directory holding the replica's ``tokenizer.json`` and
+    ``tokenizer_config.json`` (the same files vLLM loads)."""
+    timeout_s: float = 2.0
+    """``remote``: how long a replica's ``/tokenize`` may take before routing by load."""
+
+    def __post_init__(self) -> None:
+        if self.strategy == "local" and not self.path:
+            raise ValueError("strategy 'local' needs `path`: the replica's tokenizer directory")
+
+
+class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The cost model's knobs (router.policy documents the formula)."""
+
+    name: Literal["kv", "round_robin", "least_load", "prefix_group_blind"] = "kv"
+    per_request_tokens: float = 64.0
+    """Queued work of one running request, in prefill-token equivalents."""
+    waiting_request_tokens: float = 256.0
+    """Queued work of one request waiting in the replica's queue."""
+    lookahead_weight: float = 0.25
+    """Credit per token of the full-attention prefix a replica holds (future reuse)."""
+    lower_tier_weights: dict[str, float] = msgspec.field(
+        default_factory=lambda: {"CPU": 0.5, "STORAGE": 0.2}
+    )
+    kv_usage_threshold: float = 0.95
+    kv_pressure_tokens: float = 2048.0
+    tie_tokens: float = 0.5
+    temperature: float = 0.0
+    """0: the lowest cost wins (ties at random); > 0: softmax over -cost / temperature."""
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("per_request_tokens", "waiting_request_tokens", "lookahead_weight"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f} must be >= 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        for tier, w in self.lower_tier_weights.items():
+            if tier not in ("CPU", "STORAGE") or not 0 <= w <= 1:
+                raise ValueError(
+                    f"lower_tier_weights[{tier!r}]: tiers are CPU and STORAGE, weights 0..1"
+                )
+
+
+class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One DP rank's event stream, spelled out (instead of a base endpoint plus ranks)."""
+
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+class ReplicaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One vLLM server. Its events: either ``event_endpoint`` (rank 0's address, other ranks
+    offset by vLLM's rule) with ``dp_ranks``, or an explicit ``streams`` list."""
+
+    name: str
+    url: str
+    event_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    dp_ranks: tuple[int, ...] = (0,)
+    streams: tuple[StreamConfig, ...] = ()
+    dp_rank_header: str | None = None
+    """Header naming the DP rank the router chose (vLLM: ``X-data-parallel-rank``)."""
+    bind: bool = False
+    """Bind the SUB socket (when vLLM's PUB connects: its endpoint has no ``*``/``::``)."""
+    topic: str = ""
+    metrics_path: str | None = "/metrics"
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"replica name {self.name!r}: use letters, digits, '.', '_', '-'")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url {self.url!r} must start with http:// or https://")
+        if self.streams and self.event_endpoint:
+            raise ValueError("give either event_endpoint (+ dp_ranks) or streams, not both")
+        if not self.dp_ranks or any(r < 0 for r in self.dp_ranks):
+            raise ValueError("dp_ranks must list ranks >= 0")
+        try:
+            for ep in (self.event_endpoint, self.replay_endpoint):
+                if ep is not None:
+                    validate_endpoint(ep)
+            for s in self.streams:
+                validate_endpoint(s.endpoint)
+                if s.replay_endpoint:
+                    validate_endpoint(s.replay_endpoint)
+        except EndpointError as exc:
+            raise ValueError(str(exc)) from None
+
+    def stream_list(self) -> list[StreamConfig]:
+        """Every DP rank's stream, explicit or derived with vLLM's port offset."""
+        if self.streams:
+            return list(self.streams)
+        if self.event_endpoint is None:
+            return []
+        return [
+            StreamConfig(
+                r,
+                offset_endpoint_port(self.event_endpoint, r),
+                offset_endpoint_port(self.replay_endpoint, r) if self.replay_endpoint else None,
+            )
+            for r in self.dp_ranks
+        ]
+
+    def ranks(self) -> list[int]:
+        return [s.dp_rank for s in self.streams] if self.streams else list(self.dp_ranks)
+
+
+class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The replicas serving one model (the ``model`` field of requests selects the pool)."""
+
+    model: str
+    replicas: tuple[ReplicaConfig, ...]
+    layout: ModelLayout = ModelLayout(groups=())
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    policy: PolicyConfig = PolicyConfig()
+    aliases: tuple[str, ...] = ()
+    """Other model names routed to this pool (served-model-name aliases)."""
+
+    def __post_init__(self) -> None:
+        names = [r.name for r in self.replicas]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"replica names must be unique in a pool; repeated: {sorted(dup)}")
+        if self.layout.groups:
+            try:
+                resolve(self.layout)
+            except LayoutError as exc:
+                raise ValueError(f"layout: {exc}") from None
+
+
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    server: ServerConfig = ServerConfig()
+    index: IndexConfig = IndexConfig()
+    pools: tuple[PoolConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            raise ValueError("no pools: add at least one [[pools]] with model and replicas")
+        seen: set[str] = set()
+        for p in self.pools:
+            for name in (p.model, *p.aliases):
+                if name in seen:
+                    raise ValueError(f"model name {name!r} is served by two pools")
+                seen.add(name)
+
+    def pool_for(self, model: str | None) -> PoolConfig | None:
+        for p in self.pools:
+            if model == p.model or model in p.aliases:
+                return p
+        return self.pools[0] if model is None and len(self.pools) == 1 else None
+
+    def redacted(self) -> dict[str, Any]:
+        """The config as JSON-ready data, secrets replaced (for ``GET /admin/config``)."""
+        data = msgspec.to_builtins(self)
+        if data["server"].get("admin_token"):
+            data["server"]["admin_token"] = "***"
+        return data
+
+
+_LOOPBACK = ("127.", "::1", "localhost", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    return host.startswith(_LOOPBACK) or host == "::1"
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """``KVROUTER_<FIELD>`` -> server.<field>, ``KVROUTER_INDEX_<FIELD>`` -> index.<field>."""
+    out: dict[str, dict[str, str]] = {"server": {}, "index": {}}
+    for section, cls, prefix in (
+        ("index", IndexConfig, ENV_PREFIX + "INDEX_"),
+        ("server", ServerConfig, ENV_PREFIX),
+    ):
+        for f in cls.__struct_fields__:
+            v = environ.get(prefix + f.upper())
+            if v is not None:
+                out[section][f] = v
+    return out
+
+
+def _coerce(cls: type, field: str, value: Any) -> Any:
+    """A string from env or flags, as the field's type wants it (the Struct validates)."""
+    if not isinstance(value, str):
+        return value
+    default = getattr(cls(), field)
+    if isinstance(default, bool):
+        low = value.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        return value
+    for typ in (int, float):
+        if isinstance(default, typ):
+            try:
+                return typ(value)
+            except ValueError:
+                return value
+    return value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Mapping[str, Any]]) -> None:
+    """Merge ``{"server": {...}, "index": {...}}`` into decoded file data, in place."""
+    classes = {"server": ServerConfig, "index": IndexConfig}
+    for section, values in overrides.items():
+        if not values:
+            continue
+        target = data.setdefault(section, {})
+        for k, v in values.items():
+            if v is not None:
+                target[k] = _coerce(classes[section], k, v)
+
+
+def parse_config(
+    text: str | bytes,
+    *,
+    source: str = "<config>",
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> RouterConfig:
+    """Decode and validate TOML text; errors become :class:`ConfigError` naming ``source``."""
+    try:
+        data = msgspec.toml.decode(text)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    if overrides:
+        apply_overrides(data, overrides)
+    try:
+        return msgspec.convert(data, RouterConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> RouterConfig:
+    """The effective config: file, then env, then flags (see the module docstring)."""
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the config file: {exc.strerror}") from None
+    env = env_overrides(os.environ if environ is None else environ)
+    merged: dict[str, dict[str, Any]] = {"server": dict(env["server"]), "index": dict(env["index"])}
+    if flags:
+        merged["server"].update({k: v for k, v in flags.items() if v is not None})
+    return parse_config(text, source=str(p), overrides=merged)

@@ -1,0 +1,100 @@
+"""router.config: one schema for file, env and flags; bad input names its path and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.config import ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MINIMAL = """
+[[pools]]
+model = "m"
+[[pools.replicas]]
+name = "a"
+url = "http://127.0.0.1:9"
+event_endpoint = "tcp://127.0.0.1:5557"
+replay_endpoint = "tcp://127.0.0.1:5558"
+dp_ranks = [0, 1, 2]
+"""
+
+
+@pytest.mark.parametrize("name", ["router-sim.toml", "router-vllm.toml"])
+def test_example_configs_load(name: str) -> None:
+    cfg = load_config(ROOT / "config" / name, environ={})
+    assert cfg.pools and all(p.replicas for p in cfg.pools)
+
+
+def test_dp_ranks_offset_ports_like_vllm() -> None:
+    cfg = parse_config(MINIMAL)
+    streams = cfg.pools[0].replicas[0].stream_list()
+    assert [s.endpoint for s in streams] == [f"tcp://127.0.0.1:{5557 + r}" for r in range(3)]
+    assert [s.replay_endpoint for s in streams] == [f"tcp://127.0.0.1:{5558 + r}" for r in range(3)]
+
+
+def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
+    f = tmp_path / "r.toml"
+    f.write_text("[server]\nport = 7000\nmax_attempts = 2\n" + MINIMAL)
+    assert load_config(f, environ={}).server.port == 7000
+    env = {"KVROUTER_PORT": "7001", "KVROUTER_INDEX_MAX_BYTES": "2097152"}
+    cfg = load_config(f, environ=env)
+    assert (cfg.server.port, cfg.index.max_bytes, cfg.server.max_attempts) == (7001, 2097152, 2)
+    assert load_config(f, environ=env, flags={"port": 7002, "host": None}).server.port == 7002
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("[server]\nport = 'x'\n" + MINIMAL, ["Expected `int`", "$.server.port"]),
+        ("[server]\nprot = 1\n" + MINIMAL, ["unknown field `prot`", "$.server"]),
+        ("[server]\nmax_attempts = 0\n" + MINIMAL, ["max_attempts", "$.server"]),
+        ("", ["no pools"]),
+        ("[[pools]]\nmodel='m'\n", ["replicas", "$.pools[0]"]),
+        (MINIMAL.replace("http://", "ftp://"), ["http://", "$.pools[0].replicas[0]"]),
+        (MINIMAL.replace("tcp://127.0.0.1:5557", "tcp://nowhere"), ["$.pools[0].replicas[0]"]),
+        (MINIMAL + "[pools.tokenizer]\nstrategy='local'\n", ["path", "$.pools[0].tokenizer"]),
+        (MINIMAL + "[pools.tokenizer]\nstrategy='magic'\n", ["$.pools[0].tokenizer.strategy"]),
+        (
+            MINIMAL + "[pools.layout]\ngroups=[{kind='sliding_window', block_size=16}]\n",
+            ["sliding_window", "$.pools[0]"],
+        ),
+        (
+            MINIMAL + "[pools.layout]\ngroups=[{kind='full_attention', block_size=16, x=1}]\n",
+            ["unknown field `x`", "$.pools[0].layout.groups[0]"],
+        ),
+        (MINIMAL + "[pools.policy]\ntemperature=-1\n", ["temperature", "$.pools[0].policy"]),
+        (MINIMAL + MINIMAL, ["served by two pools"]),
+        (
+            MINIMAL + '[[pools.replicas]]\nname="a"\nurl="http://x"\n',
+            ["unique", "$.pools[0]"],
+        ),
+        ("[server\n", ["not valid TOML"]),
+    ],
+)
+def test_bad_config_names_file_path_and_reason(text: str, needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, source="bad.toml")
+    msg = str(info.value)
+    assert msg.startswith("bad.toml: ")
+    for n in needles:
+        assert n in msg, msg
+
+
+def test_bad_env_value_is_reported_with_its_field(tmp_path: Path) -> None:
+    f = tmp_path / "r.toml"
+    f.write_text(MINIMAL)
+    with pytest.raises(ConfigError, match=r"\$\.server\.port"):
+        load_config(f, environ={"KVROUTER_PORT": "eighty"})
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_redacted_hides_admin_token() -> None:
+    cfg = parse_config('[server]\nadmin_token = "s3cret"\n' + MINIMAL)
+    assert "s3cret" not in str(cfg.redacted())
