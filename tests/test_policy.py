@@ -1,0 +1,186 @@
+"""router.policy: the cost model's properties, ties, look-ahead and the comparison policies."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.config import PolicyConfig
+from router.policy import (
+    Candidate,
+    KVCostPolicy,
+    LeastLoadPolicy,
+    NoCandidates,
+    PrefixGroupBlindPolicy,
+    RoundRobinPolicy,
+    make_policy,
+)
+
+N = 2000
+
+candidate = st.builds(
+    Candidate,
+    key=st.tuples(st.sampled_from("abcdef"), st.integers(0, 3)),
+    hit_tokens=st.integers(0, N),
+    fa_prefix_tokens=st.integers(0, N),
+    tier_hits=st.dictionaries(st.sampled_from(["CPU", "STORAGE"]), st.integers(0, N)),
+    blind_hit_tokens=st.integers(0, N),
+    trusted=st.booleans(),
+    in_flight=st.integers(0, 50),
+    pending_prefill_tokens=st.integers(0, 100_000),
+    running=st.none() | st.integers(0, 50),
+    waiting=st.none() | st.integers(0, 50),
+    kv_usage=st.none() | st.floats(0, 1),
+)
+unique_candidates = st.lists(candidate, min_size=1, max_size=8, unique_by=lambda c: c.key)
+policy_names = st.sampled_from(["kv", "round_robin", "least_load", "prefix_group_blind"])
+
+
+@given(unique_candidates, policy_names, st.integers(0, 2**32))
+def test_decision_ranks_every_candidate_once(cands, name, seed) -> None:
+    d = make_policy(PolicyConfig(name=name), random.Random(seed)).choose(N, cands)
+    assert sorted(s.key for s in d.ranked) == sorted(c.key for c in cands)
+    assert 1 <= d.tied <= len(cands)
+
+
+@given(unique_candidates, st.integers(0, 2**32))
+def test_kv_chosen_is_within_tie_of_best(cands, seed) -> None:
+    d = KVCostPolicy(rng=random.Random(seed)).choose(N, cands)
+    best = min(s.cost for s in d.ranked)
+    assert d.chosen.cost - best <= PolicyConfig().tie_tokens
+
+
+@given(candidate, st.integers(1, N))
+def test_more_hit_never_costs_more(c, extra) -> None:
+    p = KVCostPolicy()
+    more = Candidate(**{**_fields(c), "hit_tokens": min(N, c.hit_tokens + extra)})
+    assert p.score(N, more).cost <= p.score(N, c).cost
+
+
+@given(candidate, st.integers(1, 20), st.integers(1, 5000))
+def test_more_load_never_costs_less(c, reqs, tokens) -> None:
+    p = KVCostPolicy()
+    busier = Candidate(
+        **{
+            **_fields(c),
+            "in_flight": c.in_flight + reqs,
+            "running": None if c.running is None else c.running + reqs,
+            "pending_prefill_tokens": c.pending_prefill_tokens + tokens,
+        }
+    )
+    assert p.score(N, busier).cost > p.score(N, c).cost
+
+
+@given(candidate)
+def test_untrusted_state_counts_as_no_hit(c) -> None:
+    p = KVCostPolicy()
+    untrusted = Candidate(**{**_fields(c), "trusted": False})
+    cold = Candidate(
+        **{
+            **_fields(c),
+            "hit_tokens": 0,
+            "fa_prefix_tokens": 0,
+            "tier_hits": {},
+        }
+    )
+    s = p.score(N, untrusted)
+    assert s.hit_tokens == 0 and s.look_ahead == 0
+    assert s.cost == p.score(N, cold).cost
+
+
+def _fields(c: Candidate) -> dict:
+    return {f: getattr(c, f) for f in Candidate.__slots__}
+
+
+def test_exact_hit_wins_over_group_blind_prefix() -> None:
+    # Both hold the full-attention blocks of 1600 tokens; only "kept" kept the window blocks.
+    kept = Candidate(("kept", 0), hit_tokens=1600, fa_prefix_tokens=1600, blind_hit_tokens=1600)
+    evicted = Candidate(("evicted", 0), hit_tokens=0, fa_prefix_tokens=1600, blind_hit_tokens=1600)
+    for seed in range(20):
+        d = KVCostPolicy(rng=random.Random(seed)).choose(N, [evicted, kept])
+        assert d.chosen.key == ("kept", 0)
+    # The group-blind policy cannot tell them apart: it picks either.
+    picks = {
+        PrefixGroupBlindPolicy(rng=random.Random(s)).choose(N, [evicted, kept]).chosen.key
+        for s in range(40)
+    }
+    assert picks == {("kept", 0), ("evicted", 0)}
+
+
+def test_look_ahead_breaks_ties_towards_longer_fa_prefix() -> None:
+    a = Candidate(("a", 0), hit_tokens=0, fa_prefix_tokens=0)
+    b = Candidate(("b", 0), hit_tokens=0, fa_prefix_tokens=608)
+    for seed in range(20):
+        assert KVCostPolicy(rng=random.Random(seed)).choose(N, [a, b]).chosen.key == ("b", 0)
+
+
+def test_exact_hit_beats_short_prefix_credit() -> None:
+    w = PolicyConfig().lookahead_weight
+    exact = Candidate(("exact", 0), hit_tokens=512, fa_prefix_tokens=512)
+    prefix = Candidate(("prefix", 0), hit_tokens=0, fa_prefix_tokens=int(512 / w) - 32)
+    assert KVCostPolicy().choose(N, [prefix, exact]).chosen.key == ("exact", 0)
+
+
+def test_load_outweighs_a_small_hit() -> None:
+    hot = Candidate(("hot", 0), hit_tokens=64, in_flight=10, pending_prefill_tokens=10_000)
+    idle = Candidate(("idle", 0))
+    assert KVCostPolicy().choose(N, [hot, idle]).chosen.key == ("idle", 0)
+
+
+def test_lower_tiers_are_weighted() -> None:
+    p = KVCostPolicy()
+    gpu = p.score(N, Candidate(("g", 0), hit_tokens=1000))
+    cpu = p.score(N, Candidate(("c", 0), hit_tokens=0, tier_hits={"CPU": 1000}))
+    assert cpu.effective_hit == pytest.approx(500)
+    assert gpu.cost < cpu.cost < p.score(N, Candidate(("n", 0))).cost
+
+
+def test_kv_pressure_adds_cost_only_above_threshold() -> None:
+    p = KVCostPolicy()
+    base = p.score(N, Candidate(("a", 0), kv_usage=0.5)).cost
+    assert p.score(N, Candidate(("a", 0), kv_usage=0.9)).cost == base
+    assert p.score(N, Candidate(("a", 0), kv_usage=1.0)).cost > base
+
+
+def test_ties_are_random_but_reproducible() -> None:
+    cands = [Candidate((n, 0)) for n in "abc"]
+    picks = [KVCostPolicy(rng=random.Random(s)).choose(N, cands).chosen.key for s in range(60)]
+    assert set(picks) == {(n, 0) for n in "abc"}
+    again = [KVCostPolicy(rng=random.Random(s)).choose(N, cands).chosen.key for s in range(60)]
+    assert picks == again
+    assert KVCostPolicy().choose(N, cands).tied == 3
+
+
+def test_temperature_samples_by_cost() -> None:
+    cfg = PolicyConfig(temperature=200.0)
+    p = KVCostPolicy(cfg, random.Random(7))
+    good = Candidate(("good", 0), hit_tokens=1000)
+    bad = Candidate(("bad", 0))
+    counts = Counter(p.choose(N, [good, bad]).chosen.key[0] for _ in range(2000))
+    # exp(-1000 * (1 + w) / 200) is tiny: "bad" is almost never sampled but can be.
+    assert counts["good"] > 1900
+    cold = KVCostPolicy(PolicyConfig(temperature=1e9), random.Random(7))
+    counts = Counter(cold.choose(N, [good, bad]).chosen.key[0] for _ in range(2000))
+    assert 800 < counts["good"] < 1200
+
+
+def test_round_robin_cycles() -> None:
+    cands = [Candidate((n, 0), hit_tokens=1000 if n == "a" else 0) for n in "cab"]
+    rr = RoundRobinPolicy()
+    assert [rr.choose(N, cands).chosen.key[0] for _ in range(6)] == list("abcabc")
+
+
+def test_least_load_ignores_hits() -> None:
+    busy = Candidate(("busy", 0), hit_tokens=1999, in_flight=1)
+    free = Candidate(("free", 0))
+    assert LeastLoadPolicy().choose(N, [busy, free]).chosen.key == ("free", 0)
+
+
+@pytest.mark.parametrize("name", ["kv", "round_robin", "least_load", "prefix_group_blind"])
+def test_no_candidates_is_a_typed_error(name: str) -> None:
+    with pytest.raises(NoCandidates, match="undrain"):
+        make_policy(PolicyConfig(name=name)).choose(N, [])
