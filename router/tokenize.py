@@ -1,0 +1,311 @@
+"""Token ids of an OpenAI request, computed exactly as the replica will (spec §1.6).
+
+A prediction is only as good as its token ids: one differing id changes every block hash
+after it. Three strategies per pool:
+
+* ``builtin``: the simulated replica's tokenizer (:mod:`router.builtin_tokenizer`).
+* ``local``: the replica's own Hugging Face tokenizer directory (``tokenizer.json`` through the
+  ``tokenizers`` library; the chat template of ``tokenizer_config.json`` rendered with jinja2
+  the way ``transformers``' ``apply_chat_template`` does). Completions encode with special
+  tokens (the post-processor adds BOS, like HF and vLLM's default ``add_special_tokens=True``);
+  chats render the template with ``add_generation_prompt`` (default true) and encode without
+  special tokens, as vLLM's chat endpoints and ``/tokenize`` with ``messages`` do.
+* ``remote``: ask a replica's ``/tokenize`` (exact by construction; one extra round trip).
+
+What cannot be tokenized here (several prompts in one request, images or audio, a
+request-level chat template) gives ``Tokenized(None, reason)``: the proxy routes it by load
+and counts the reason; it is never rejected for it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from router.config import TokenizerConfig
+
+__all__ = [
+    "BuiltinTokenizer",
+    "LocalTokenizer",
+    "RemoteTokenizer",
+    "RequestTokenizer",
+    "Tokenized",
+    "TokenizerSetupError",
+    "make_tokenizer",
+    "prompt_input",
+]
+
+Kind = Literal["completion", "chat"]
+
+
+class TokenizerSetupError(ValueError):
+    """The tokenizer a pool's config names cannot be loaded; the message says what to fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    token_ids: list[int] | None
+    reason: str | None = None
+    """Why ``token_ids`` is None (a short label used as a metric label too)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Text:
+    text: str
+    add_special_tokens: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Ids:
+    ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Chat:
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    add_special_tokens: bool
+
+
+def _text_only(messages: Any) -> str | None:
+    """None if every message is plain text, else the reason it is not."""
+    if not isinstance(messages, list) or not messages:
+        return "bad_messages"
+    for m in messages:
+        if not isinstance(m, dict):
+            return "bad_messages"
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    return "non_text_content"
+        elif content is not None and not isinstance(content, str):
+            return "bad_messages"
+        if m.get("tool_calls"):
+            return "tool_calls"
+    return None
+
+
+def prompt_input(kind: Kind, body: dict[str, Any]) -> _Text | _Ids | _Chat | Tokenized:
+    """What to tokenize in a request body, or an untokenizable ``Tokenized``."""
+    if kind == "completion":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return _Text(prompt, bool(body.get("add_special_tokens", True)))
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return _Ids(prompt)
+        if isinstance(prompt, list):
+            return Tokenized(None, "batched_prompts")
+        if body.get("prompt_embeds") is not None:
+            return Tokenized(None, "prompt_embeds")
+        return Tokenized(None, "no_prompt")
+    messages = body.get("messages")
+    reason = _text_only(messages)
+    if reason is not None:
+        return Tokenized(None, reason)
+    if body.get("chat_template") is not None or body.get("continue_final_message"):
+        return Tokenized(None, "custom_chat_template")
+    return _Chat(
+        messages,
+        bool(body.get("add_generation_prompt", True)),
+        bool(body.get("add_special_tokens", False)),
+    )
+
+
+class RequestTokenizer(Protocol):
+    strategy: str
+
+    async def tokenize(self, kind: Kind, body: dict[str, Any]) -> Tokenized: ...
+
+    async def aclose(self) -> None: ...
+
+
+class BuiltinTokenizer:
+    """The simulated replica's tokenizer."""
+
+    strategy = "builtin"
+
+    def __init__(self) -> None:
+        from router import builtin_tokenizer as bt
+
+        self._bt = bt
+
+    def tokenize_sync(self, kind: Kind, body: dict[str, Any]) -> Tokenized:
+        what = prompt_input(kind, body)
+        try:
+            if isinstance(what, _Text):
+                return Tokenized(self._bt.encode(what.text, what.add_special_tokens))
+            if isinstance(what, _Ids):
+                return Tokenized(what.ids)
+            if isinstance(what, _Chat):
+                return Tokenized(
+                    self._bt.encode_chat(
+                        what.messages, what.add_generation_prompt, what.add_special_tokens
+                    )
+                )
+        except self._bt.TokenizerInputError:
+            return Tokenized(None, "tokenizer_rejected")
+        return what
+
+    async def tokenize(self, kind: Kind, body: dict[str, Any]) -> Tokenized:
+        return self.tokenize_sync(kind, body)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class LocalTokenizer:
+    """A Hugging Face tokenizer directory, as vLLM loads it (module docstring)."""
+
+    strategy = "local"
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        d = Path(path)
+        tj = d / "tokenizer.json"
+        if not tj.is_file():
+            raise TokenizerSetupError(
+                f"{tj} not found: `local` needs the replica's tokenizer directory with a "
+                f"tokenizer.json (a fast tokenizer; save one with transformers if needed)"
+            )
+        self.tokenizer = Tokenizer.from_file(str(tj))
+        cfg: dict[str, Any] = {}
+        tc = d / "tokenizer_config.json"
+        if tc.is_file():
+            cfg = json.loads(tc.read_text())
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: HF uses "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        jt = d / "chat_template.jinja"
+        if template is None and jt.is_file():
+            template = jt.read_text()
+        self.special = {
+            k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        self._template = None
+        if isinstance(template, str):
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise jinja2.TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(template)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        if self._template is None:
+            raise TokenizerSetupError("the tokenizer directory has no chat template")
+        norm = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):  # vLLM's "string" content format joins text parts
+                m = {**m, "content": "\n".join(p["text"] for p in content)}
+            norm.append(m)
+        return self._template.render(
+            messages=norm, add_generation_prompt=add_generation_prompt, **self.special
+        )
+
+    def tokenize_sync(self, kind: Kind, body: dict[str, Any]) -> Tokenized:
+        what = prompt_input(kind, body)
+        if isinstance(what, _Text):
+            enc = self.tokenizer.encode(what.text, add_special_tokens=what.add_special_tokens)
+            return Tokenized(enc.ids)
+        if isinstance(what, _Ids):
+            return Tokenized(what.ids)
+        if isinstance(what, _Chat):
+            if self._template is None:
+                return Tokenized(None, "no_chat_template")
+            try:
+                text = self.render_chat(what.messages, what.add_generation_prompt)
+            except Exception:  # a template error is the request's problem, not ours
+                return Tokenized(None, "chat_template_error")
+            enc = self.tokenizer.encode(text, add_special_tokens=what.add_special_tokens)
+            return Tokenized(enc.ids)
+        return what
+
+    async def tokenize(self, kind: Kind, body: dict[str, Any]) -> Tokenized:
+        return self.tokenize_sync(kind, body)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class RemoteTokenizer:
+    """A replica's ``/tokenize`` (vLLM's, or the simulated replica's)."""
+
+    strategy = "remote"
+
+    def __init__(
+        self, model: str, urls: Callable[[], Sequence[str]], timeout_s: float = 2.0
+    ) -> None:
+        import httpx
+
+        self.model = model
+        self._urls = urls
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+        self._next = 0
+
+    async def tokenize(self, kind: Kind, body: dict[str, Any]) -> Tokenized:
+        import httpx
+
+        what = prompt_input(kind, body)
+        if isinstance(what, Tokenized):
+            return what
+        if isinstance(what, _Ids):
+            return Tokenized(what.ids)
+        req: dict[str, Any] = {"model": self.model}
+        if isinstance(what, _Text):
+            req.update(prompt=what.text, add_special_tokens=what.add_special_tokens)
+        else:
+            req.update(
+                messages=what.messages,
+                add_generation_prompt=what.add_generation_prompt,
+                add_special_tokens=what.add_special_tokens,
+            )
+        urls = list(self._urls())
+        for i in range(len(urls)):
+            url = urls[(self._next + i) % len(urls)]
+            try:
+                r = await self._client.post(url.rstrip("/") + "/tokenize", json=req)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                self._next += 1
+                tokens = r.json().get("tokens")
+                if isinstance(tokens, list):
+                    return Tokenized(tokens)
+                return Tokenized(None, "remote_bad_answer")
+            if r.status_code < 500:
+                return Tokenized(None, "remote_rejected")
+        return Tokenized(None, "remote_unavailable")
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def make_tokenizer(
+    cfg: TokenizerConfig, *, model: str, urls: Callable[[], Sequence[str]]
+) -> RequestTokenizer:
+    """The pool's tokenizer; raises :class:`TokenizerSetupError` at start when unusable."""
+    if cfg.strategy == "builtin":
+        return BuiltinTokenizer()
+    if cfg.strategy == "local":
+        return LocalTokenizer(cfg.path or "")
+    return RemoteTokenizer(model, urls, cfg.timeout_s)

@@ -1,0 +1,102 @@
+"""router.tokenize: local HF tokenizer parity with the real vLLM recording, builtin, fallbacks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from shared_paths import GOLDEN, require
+
+from router import builtin_tokenizer as bt
+from router.config import TokenizerConfig
+from router.tokenize import (
+    BuiltinTokenizer,
+    LocalTokenizer,
+    TokenizerSetupError,
+    make_tokenizer,
+    prompt_input,
+)
+
+
+@pytest.fixture(scope="module")
+def local() -> LocalTokenizer:
+    return LocalTokenizer(require(GOLDEN / "model"))
+
+
+def _golden_prompts(n: int = 40) -> list[list[int]]:
+    lines = require(GOLDEN / "requests.jsonl").read_text().splitlines()[:n]
+    return [json.loads(line)["prompt_token_ids"] for line in lines]
+
+
+def _words(ids: list[int], local: LocalTokenizer) -> str:
+    return " ".join(local.tokenizer.id_to_token(i) for i in ids)
+
+
+def test_local_reproduces_vllm_prompt_token_ids(local: LocalTokenizer) -> None:
+    for ids in _golden_prompts():
+        assert ids[0] == 2  # vLLM added the BOS
+        text = _words(ids[1:], local)
+        got = local.tokenize_sync("completion", {"prompt": text})
+        assert got.token_ids == ids
+        no_bos = local.tokenize_sync("completion", {"prompt": text, "add_special_tokens": False})
+        assert no_bos.token_ids == ids[1:]
+
+
+def test_local_chat_template_matches_builtin_template(local: LocalTokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "w1 w2 w3"},
+        {"role": "user", "content": [{"type": "text", "text": "w10 w11"}]},
+    ]
+    got = local.tokenize_sync("chat", {"messages": messages})
+    assert got.token_ids == bt.encode_chat(messages)
+    assert got.token_ids[0] != bt.BOS_ID and got.token_ids[-1] == 6  # <assistant>, no BOS
+    no_gen = local.tokenize_sync("chat", {"messages": messages, "add_generation_prompt": False})
+    assert no_gen.token_ids == got.token_ids[:-1]
+
+
+def test_builtin_equals_local_on_vocabulary_text(local: LocalTokenizer) -> None:
+    b = BuiltinTokenizer()
+    for ids in _golden_prompts(10):
+        body = {"prompt": _words(ids[1:], local)}
+        assert b.tokenize_sync("completion", body) == local.tokenize_sync("completion", body)
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "reason"),
+    [
+        ("completion", {"prompt": ["a", "b"]}, "batched_prompts"),
+        ("completion", {}, "no_prompt"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "non_text_content",
+        ),
+        ("chat", {"messages": "hi"}, "bad_messages"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{x}}"},
+            "custom_chat_template",
+        ),
+    ],
+)
+def test_untokenizable_requests_say_why(kind, body, reason) -> None:
+    assert BuiltinTokenizer().tokenize_sync(kind, body).reason == reason
+
+
+def test_token_id_prompts_pass_through() -> None:
+    tok = BuiltinTokenizer()
+    assert tok.tokenize_sync("completion", {"prompt": [5, 6, 7]}).token_ids == [5, 6, 7]
+    assert tok.tokenize_sync("completion", {"prompt": [[5, 6]]}).token_ids == [5, 6]
+    assert prompt_input("completion", {"prompt": ["w1"]}).text == "w1"
+
+
+def test_local_without_tokenizer_json_fails_at_start(tmp_path) -> None:
+    with pytest.raises(TokenizerSetupError, match=r"tokenizer\.json"):
+        make_tokenizer(TokenizerConfig(strategy="local", path=str(tmp_path)), model="m", urls=list)
+
+
+def test_async_face() -> None:
+    tok = make_tokenizer(TokenizerConfig(), model="m", urls=list)
+    got = asyncio.run(tok.tokenize("completion", {"prompt": "w0 w1"}))
+    assert got.token_ids == [2, 7, 8]
