@@ -16,6 +16,7 @@ from collections.abc import Sequence
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("events", "tail"), "events.cli", "print the KV events a vLLM replica publishes"),
     (("replay",), "router.replay", "replay a recorded event stream and check hit predictions"),
+    (("serve",), "router.serve_cli", "run the router: OpenAI proxy with KV-aware routing"),
     (("replica",), "gpu_emitter.cli", "run a simulated vLLM replica (OpenAI API + KV events)"),
 ]
 

@@ -1,0 +1,258 @@
+"""``/admin``: read and command the very objects the proxy uses (no second copy of state).
+
+Every route needs ``Authorization: Bearer <server.admin_token>`` when a token is configured
+(401 without credentials, 403 with a wrong token). Without a token the API is only served on
+a loopback host (router.service refuses to start otherwise).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from fastapi import APIRouter, Depends, HTTPException, Request
+from pydantic import BaseModel, Field
+
+from router.config import ReplicaConfig
+from router.index import TIERS
+
+if TYPE_CHECKING:
+    from router.service import PoolState, RouterState
+
+__all__ = ["admin_router"]
+
+
+class ExplainRequest(BaseModel):
+    """Exactly one of ``prompt``, ``messages`` or ``token_ids``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    add_special_tokens: bool | None = None
+
+
+class ReplicaIn(BaseModel):
+    """A replica to add; the same fields as a ``[[pools.replicas]]`` table."""
+
+    pool: str = Field(description="the pool's model name")
+    replica: dict[str, Any]
+
+
+def admin_router(state: RouterState) -> APIRouter:
+    token = state.config.server.admin_token
+
+    def auth(request: Request) -> None:
+        if not token:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise HTTPException(
+                401, "admin API needs 'Authorization: Bearer <token>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(403, "wrong admin token")
+
+    r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(auth)])
+
+    def pool_of(model: str | None) -> PoolState:
+        p = state.pool_for(model)
+        if p is None:
+            raise HTTPException(404, f"no pool serves model {model!r}; see GET /v1/models")
+        return p
+
+    def find_replica(name: str) -> tuple[PoolState, Any]:
+        for p in state.pools.values():
+            if name in p.replicas:
+                return p, p.replicas[name]
+        raise HTTPException(404, f"no replica named {name!r}; see GET /admin/replicas")
+
+    @r.get("/replicas", summary="Replicas of every pool with their load and state")
+    async def replicas() -> dict[str, Any]:
+        out = []
+        for p in state.pools.values():
+            trust = {(s.replica, s.dp_rank): s for s in p.index.stats()}
+            for rep in p.replicas.values():
+                d = rep.as_dict()
+                d["pool"] = p.name
+                d["trusted"] = {f"dp{k[1]}": trust[k].trusted for k in trust if k[0] == rep.name}
+                out.append(d)
+        return {"replicas": out}
+
+    @r.post("/replicas", status_code=201, summary="Add a replica to a pool")
+    async def add_replica(body: ReplicaIn) -> dict[str, Any]:
+        pool = pool_of(body.pool)
+        try:
+            rcfg = msgspec.convert(body.replica, ReplicaConfig)
+        except msgspec.ValidationError as exc:
+            raise HTTPException(422, f"replica: {exc}") from None
+        try:
+            rep = await pool.add_replica(rcfg)
+        except ValueError as exc:
+            raise HTTPException(409, str(exc)) from None
+        return rep.as_dict()
+
+    @r.delete("/replicas/{name}", summary="Remove a replica (its index state is dropped)")
+    async def remove_replica(name: str) -> dict[str, Any]:
+        pool, _ = find_replica(name)
+        await pool.remove_replica(name)
+        return {"removed": name}
+
+    @r.post("/replicas/{name}/drain", summary="Stop routing new requests to a replica")
+    async def drain(name: str) -> dict[str, Any]:
+        _, rep = find_replica(name)
+        rep.drained = True
+        return rep.as_dict()
+
+    @r.post("/replicas/{name}/undrain", summary="Route to a drained replica again")
+    async def undrain(name: str) -> dict[str, Any]:
+        _, rep = find_replica(name)
+        rep.drained = False
+        return rep.as_dict()
+
+    @r.post("/route/explain", summary="Where a request would go and why, without sending it")
+    async def explain(body: ExplainRequest) -> dict[str, Any]:
+        pool = pool_of(body.model)
+        given = [x for x in (body.prompt, body.messages, body.token_ids) if x is not None]
+        if len(given) != 1:
+            raise HTTPException(422, "give exactly one of prompt, messages or token_ids")
+        req: dict[str, Any] = {"cache_salt": body.cache_salt}
+        if body.add_special_tokens is not None:
+            req["add_special_tokens"] = body.add_special_tokens
+        if body.token_ids is not None:
+            ids, reason = body.token_ids, None
+        else:
+            kind = "chat" if body.messages is not None else "completion"
+            if kind == "chat":
+                req["messages"] = body.messages
+            else:
+                req["prompt"] = body.prompt
+            tok = await pool.tokenizer.tokenize(kind, req)  # type: ignore[arg-type]
+            ids, reason = tok.token_ids, tok.reason
+        t0 = time.perf_counter()
+        try:
+            choice = pool.decide(ids, req, explain=True, reason=reason)
+        except Exception as exc:
+            raise HTTPException(503, str(exc)) from None
+        elapsed = time.perf_counter() - t0
+        scores = {s.key: s for s in choice.decision.ranked}
+        rows = []
+        hits = choice.prediction.as_dict()["replicas"] if choice.prediction else []
+        by_key = {(h["replica"], h["dp_rank"]): h for h in hits}
+        cands = {c.key: c for c in pool.candidates(None, set())}
+        for key, s in scores.items():
+            row = dict(by_key.get(key, {"replica": key[0], "dp_rank": key[1]}))
+            c = cands.get(key)
+            row["load"] = (
+                {
+                    "in_flight": c.in_flight,
+                    "pending_prefill_tokens": c.pending_prefill_tokens,
+                    "running": c.running,
+                    "waiting": c.waiting,
+                    "kv_usage": c.kv_usage,
+                }
+                if c is not None
+                else None
+            )
+            row["score"] = s.as_dict()
+            rows.append(row)
+        chosen = choice.decision.chosen.key
+        return {
+            "pool": pool.name,
+            "policy": choice.decision.policy,
+            "num_tokens": choice.num_tokens,
+            "tokenized": ids is not None,
+            "untokenized_reason": reason,
+            "chosen": {"replica": chosen[0], "dp_rank": chosen[1]},
+            "tied": choice.decision.tied,
+            "decision_seconds": elapsed,
+            "replicas": rows,
+        }
+
+    @r.get("/index", summary="Index entries and bytes per pool, group, replica and tier")
+    async def index() -> dict[str, Any]:
+        out = []
+        for p in state.pools.values():
+            idx = p.index
+            layout = idx.layout
+            n_groups = len(layout.layout.groups) if layout is not None else 0
+            per: dict[str, dict[str, dict[str, int]]] = {}
+            keys = idx.replicas()
+            bits = {k: idx.slot_bit(k) for k in keys}
+            for tier in TIERS:
+                for g in range(n_groups):
+                    table = idx.table(tier, g)
+                    if not table:
+                        continue
+                    counts = dict.fromkeys(keys, 0)
+                    for m in table.values():
+                        for k, b in bits.items():
+                            if m & b:
+                                counts[k] += 1
+                    for k, n in counts.items():
+                        name = f"{k[0]}/dp{k[1]}"
+                        per.setdefault(name, {}).setdefault(tier, {})[str(g)] = n
+            out.append(
+                {
+                    "pool": p.name,
+                    "entries": idx.entries,
+                    "extra_entries": idx.extra_entries,
+                    "bytes": idx.nbytes(),
+                    "max_bytes": idx.limits.max_bytes,
+                    "reclaimed": idx.reclaimed,
+                    "groups": (
+                        [msgspec.to_builtins(g) for g in layout.layout.groups] if layout else []
+                    ),
+                    "replicas": per,
+                }
+            )
+        return {"pools": out}
+
+    @r.get("/events", summary="Per event stream: sequence, lag, gaps, replays, trust")
+    async def events() -> dict[str, Any]:
+        out = []
+        for p in state.pools.values():
+            rstats = {(s.replica, s.dp_rank): s for s in p.index.stats()}
+            for rep in p.replicas.values():
+                sub_stats = rep.subscriber.stats() if rep.subscriber is not None else {}
+                for sname, key in rep.streams.items():
+                    st = sub_stats.get(sname)
+                    rs = rstats.get(key)
+                    out.append(
+                        {
+                            "stream": sname,
+                            "pool": p.name,
+                            "replica": key[0],
+                            "dp_rank": key[1],
+                            "stream_stats": msgspec.to_builtins(st) if st else None,
+                            "trusted": rs.trusted if rs else None,
+                            "untrusted_reason": rs.untrusted_reason if rs else None,
+                            "hash_conformance": (
+                                {
+                                    "checked": rs.conformance_checked,
+                                    "mismatches": rs.conformance_mismatches,
+                                    "skipped": rs.conformance_skipped,
+                                    "ok": rs.conformance_mismatches == 0,
+                                }
+                                if rs
+                                else None
+                            ),
+                            "index": msgspec.to_builtins(rs) if rs else None,
+                        }
+                    )
+        return {"streams": out}
+
+    @r.get("/config", summary="The effective config (secrets redacted)")
+    async def config() -> dict[str, Any]:
+        return state.config.redacted()
+
+    @r.get("/mismatches", summary="Latest requests whose cached_tokens differed from the hit")
+    async def mismatches() -> dict[str, Any]:
+        return {"mismatches": list(state.mismatches)}
+
+    return r

@@ -1,0 +1,142 @@
+"""The router's Prometheus metrics, in a registry of its own per app (tests run several apps).
+
+Hot-path metrics (requests, decision latency, predicted hit, prediction error, in flight) are
+updated as requests go; state that already lives elsewhere (index entries and bytes, event
+counters, stream lag, trust) is read at scrape time by a collector, so the proxy never keeps a
+second copy of it (ARCHITECTURE: one state, read by every face).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["CONTENT_TYPE", "RouterMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_ERROR_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 4096)
+_LATENCY_BUCKETS = (
+    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0,
+)  # fmt: skip
+
+
+class _StateCollector(Collector):
+    """Reads the pools' index and stream counters when Prometheus scrapes."""
+
+    def __init__(self, snapshot: Callable[[], Iterable[dict[str, Any]]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Any]:
+        entries = GaugeMetricFamily(
+            "kvrouter_index_entries", "Keys held by the index", labels=["pool"]
+        )
+        nbytes = GaugeMetricFamily(
+            "kvrouter_index_bytes", "Memory account of the index tables", labels=["pool"]
+        )
+        events = CounterMetricFamily(
+            "kvrouter_events", "KV events received, by stream and type", labels=["stream", "type"]
+        )
+        outcomes = CounterMetricFamily(
+            "kvrouter_index_block_ops",
+            "Index block operations by replica and outcome",
+            labels=["pool", "replica", "outcome"],
+        )
+        lag = GaugeMetricFamily(
+            "kvrouter_stream_lag_seconds", "Receive time minus publish time", labels=["stream"]
+        )
+        gaps = CounterMetricFamily(
+            "kvrouter_stream_signals", "Stream signals by kind", labels=["stream", "kind"]
+        )
+        trusted = GaugeMetricFamily(
+            "kvrouter_replica_trusted", "1 if the replica's cache state is trusted",
+            labels=["pool", "replica"],
+        )  # fmt: skip
+        for pool in self._snapshot():
+            name = pool["pool"]
+            entries.add_metric([name], pool["entries"])
+            nbytes.add_metric([name], pool["bytes"])
+            for rs in pool["replica_stats"]:
+                rep = f"{rs.replica}/dp{rs.dp_rank}"
+                trusted.add_metric([name, rep], 1.0 if rs.trusted else 0.0)
+                for outcome in (
+                    "stored_blocks",
+                    "removed_blocks",
+                    "unknown_removals",
+                    "conformance_mismatches",
+                ):
+                    outcomes.add_metric([name, rep, outcome], getattr(rs, outcome))
+            for stream, st in pool["stream_stats"].items():
+                for typ, n in st.events_by_type.items():
+                    events.add_metric([stream, typ], n)
+                if st.lag_s is not None:
+                    lag.add_metric([stream], st.lag_s)
+                for kind in ("gaps", "replays", "unrecoverable_gaps", "resets", "malformed"):
+                    gaps.add_metric([stream, kind], getattr(st, kind))
+        yield from (entries, nbytes, events, outcomes, lag, gaps, trusted)
+
+
+class RouterMetrics:
+    """Every metric of one router app."""
+
+    def __init__(self, snapshot: Callable[[], Iterable[dict[str, Any]]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvrouter_requests",
+            "Proxied requests by pool, replica and HTTP status",
+            ["pool", "replica", "status"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "kvrouter_failovers", "Attempts abandoned before the first byte", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.untokenized = Counter(
+            "kvrouter_untokenized_requests",
+            "Requests routed by load because they could not be tokenized",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "kvrouter_decision_seconds",
+            "Tokenize + predict + policy time per request",
+            ["pool"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.predicted_hit = Histogram(
+            "kvrouter_predicted_hit_tokens",
+            "Predicted hit of the chosen replica",
+            ["pool"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.prediction_error = Histogram(
+            "kvrouter_prediction_abs_error_tokens",
+            "|cached_tokens reported - predicted| per replica",
+            ["replica"],
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.prediction_exact = Counter(
+            "kvrouter_prediction_exact", "Predictions equal to cached_tokens", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.prediction_checked = Counter(
+            "kvrouter_prediction_checked", "Predictions compared with cached_tokens",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "kvrouter_in_flight", "Requests in flight per replica", ["replica"], registry=r
+        )
+        if snapshot is not None:
+            r.register(_StateCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

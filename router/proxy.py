@@ -1,0 +1,380 @@
+"""The OpenAI-compatible hot path: read, tokenize, predict, choose, forward, check.
+
+Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it costs).
+
+* Bodies above ``server.max_body_bytes`` get 413 before anything is parsed.
+* Hop-by-hop headers are dropped both ways; ``x-request-id`` is propagated or created.
+* **Failover.** The upstream response is not forwarded until its first chunk is in. A connect
+  error, a timeout or a 5xx before that moves to the next replica in the decision's ranking
+  (at most ``server.max_attempts``). Non-streaming JSON is read whole before its first byte is
+  sent (it is one object, and a replica dying mid-body can still be failed over); SSE is
+  forwarded chunk by chunk as it arrives. After the first byte has gone to the client, an
+  upstream failure ends the stream with a well-formed error event and ``data: [DONE]``.
+* Response headers ``x-kvrouter-replica`` (``name`` or ``name/dp<rank>`` with several ranks)
+  and ``x-kvrouter-predicted-hit`` say where the request went and what hit was expected.
+* **Prediction error loop.** When the response carries
+  ``usage.prompt_tokens_details.cached_tokens`` it is compared with the prediction for the
+  chosen replica: metrics per replica, and mismatches kept for ``GET /admin/mismatches``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import msgspec
+
+if TYPE_CHECKING:
+    from router.service import ReplicaState, RouteChoice, RouterState
+
+__all__ = ["HOP_BY_HOP", "Proxy"]
+
+log = logging.getLogger("kvrouter.proxy")
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    }
+)
+_DROP_DOWN = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_decode = msgspec.json.Decoder()
+_encode = msgspec.json.encode
+_TAIL = 8192
+
+
+def _error_body(message: str, type_: str, code: int) -> bytes:
+    return _encode({"error": {"message": message, "type": type_, "param": None, "code": code}})
+
+
+class _Upstream(Exception):
+    """An attempt that failed before the first byte reached the client."""
+
+    def __init__(self, why: str, response: tuple[int, list, bytes] | None = None) -> None:
+        super().__init__(why)
+        self.response = response
+
+
+class Proxy:
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        self.cfg = state.config.server
+        m = state.metrics
+        self._decision = {}
+        self._m = m
+
+    async def _send_simple(
+        self, send: Any, status: int, body: bytes, request_id: bytes, extra: list | None = None
+    ) -> None:
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", request_id),
+        ]
+        if extra:
+            headers.extend(extra)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def handle(self, kind: str, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        limit = self.cfg.max_body_bytes
+        request_id = None
+        fwd: list[tuple[bytes, bytes]] = []
+        for k, v in scope["headers"]:
+            if k == b"x-request-id":
+                request_id = v
+            elif k == b"content-length" and v.isdigit() and int(v) > limit:
+                await self._send_simple(
+                    send,
+                    413,
+                    _error_body(f"request body exceeds {limit} bytes", "BadRequestError", 413),
+                    request_id or b"-",
+                )
+                return
+            if k not in HOP_BY_HOP:
+                fwd.append((k, v))
+        if request_id is None:
+            request_id = uuid.uuid4().hex.encode()
+            fwd.append((b"x-request-id", request_id))
+        # body
+        chunks = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            b = msg.get("body", b"")
+            if b:
+                size += len(b)
+                if size > limit:
+                    await self._send_simple(
+                        send,
+                        413,
+                        _error_body(f"request body exceeds {limit} bytes", "BadRequestError", 413),
+                        request_id,
+                    )
+                    return
+                chunks.append(b)
+            if not msg.get("more_body"):
+                break
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        try:
+            body = _decode.decode(raw)
+        except msgspec.DecodeError as exc:
+            await self._send_simple(
+                send, 400, _error_body(f"invalid JSON body: {exc}", "BadRequestError", 400),
+                request_id,
+            )  # fmt: skip
+            return
+        if not isinstance(body, dict):
+            await self._send_simple(
+                send, 400, _error_body("body must be a JSON object", "BadRequestError", 400),
+                request_id,
+            )  # fmt: skip
+            return
+        model = body.get("model")
+        pool = self.state.pool_for(model)
+        if pool is None:
+            await self._send_simple(
+                send,
+                404,
+                _error_body(
+                    f"The model `{model}` does not exist; GET /v1/models lists the models served",
+                    "NotFoundError",
+                    404,
+                ),
+                request_id,
+            )
+            return
+        t0 = time.perf_counter()
+        tok = await pool.tokenizer.tokenize(kind, body)  # type: ignore[arg-type]
+        if tok.token_ids is None:
+            self._m.untokenized.labels(pool.name, tok.reason or "unknown").inc()
+        stream = bool(body.get("stream"))
+        exclude: set[tuple[str, int]] = set()
+        last_error: _Upstream | None = None
+        path = scope.get("raw_path") or scope["path"].encode()
+        qs = scope.get("query_string") or b""
+        url = path.decode() + ("?" + qs.decode() if qs else "")
+        for attempt in range(self.cfg.max_attempts):
+            try:
+                choice = pool.decide(tok.token_ids, body, exclude, reason=tok.reason)
+            except Exception as exc:  # NoCandidates
+                if last_error is not None:
+                    break
+                await self._send_simple(
+                    send, 503, _error_body(str(exc), "ServiceUnavailableError", 503), request_id
+                )
+                return
+            if attempt == 0:
+                self._m.decision_seconds.labels(pool.name).observe(time.perf_counter() - t0)
+            chosen = choice.decision.chosen
+            key = chosen.key
+            exclude.add(key)
+            rep = pool.replicas.get(key[0])
+            if rep is None:
+                continue
+            try:
+                await self._forward(rep, key, choice, url, fwd, raw, stream, send, request_id)
+                return
+            except _Upstream as exc:
+                last_error = exc
+                rep.failures += 1
+                self._m.failovers.labels(key[0]).inc()
+                log.warning("replica %s failed before the first byte: %s", key[0], exc)
+        if last_error is not None and last_error.response is not None:
+            status, headers, data = last_error.response
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": data})
+            return
+        msg = f"no replica could serve the request ({last_error})"
+        await self._send_simple(send, 502, _error_body(msg, "BadGatewayError", 502), request_id)
+
+    async def _forward(
+        self,
+        rep: ReplicaState,
+        key: tuple[str, int],
+        choice: RouteChoice,
+        url: str,
+        fwd: list[tuple[bytes, bytes]],
+        raw: bytes,
+        stream: bool,
+        send: Any,
+        request_id: bytes,
+    ) -> None:
+        rank = key[1]
+        headers = list(fwd)
+        if rep.cfg.dp_rank_header:
+            headers.append((rep.cfg.dp_rank_header.encode(), str(rank).encode()))
+        predicted = choice.decision.chosen.hit_tokens
+        label = key[0] if len(rep.ranks) == 1 else f"{key[0]}/dp{rank}"
+        pending = max(0, choice.num_tokens - predicted)
+        rep.in_flight[rank] = rep.in_flight.get(rank, 0) + 1
+        rep.pending_prefill[rank] = rep.pending_prefill.get(rank, 0) + pending
+        gauge = self._m.in_flight.labels(key[0])
+        gauge.inc()
+        first = True
+        status = 0
+        try:
+            client = rep.client
+            req = client.build_request("POST", url, content=raw, headers=headers)
+            try:
+                resp = await client.send(req, stream=True)
+            except httpx.HTTPError as exc:
+                raise _Upstream(f"{type(exc).__name__}: {exc}") from None
+            try:
+                status = resp.status_code
+                out_headers = [
+                    (k, v)
+                    for k, v in resp.headers.raw
+                    if k.decode("latin-1").lower() not in _DROP_DOWN
+                    and k.lower() != b"x-request-id"
+                ]
+                out_headers += [
+                    (b"x-request-id", request_id),
+                    (b"x-kvrouter-replica", label.encode()),
+                    (b"x-kvrouter-predicted-hit", str(predicted).encode()),
+                ]
+                is_sse = stream and status == 200
+                if not is_sse:
+                    try:
+                        data = await resp.aread()
+                    except httpx.HTTPError as exc:
+                        raise _Upstream(f"{type(exc).__name__} reading the body: {exc}") from None
+                    if status >= 500:
+                        raise _Upstream(
+                            f"HTTP {status}",
+                            (status, [*out_headers, _clen(data)], data),
+                        )
+                    self._release_pending(rep, rank, pending)
+                    pending = 0
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": status,
+                            "headers": [*out_headers, _clen(data)],
+                        }
+                    )
+                    await send({"type": "http.response.body", "body": data})
+                    first = False
+                    if status == 200:
+                        self._check(choice, key, label, data, request_id)
+                    return
+                tail = b""
+                it = resp.aiter_raw()
+                try:
+                    async for chunk in it:
+                        if not chunk:
+                            continue
+                        if first:
+                            self._release_pending(rep, rank, pending)
+                            pending = 0
+                            await send(
+                                {
+                                    "type": "http.response.start",
+                                    "status": status,
+                                    "headers": out_headers,
+                                }
+                            )
+                            first = False
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        tail = (tail + chunk)[-_TAIL:]
+                except httpx.HTTPError as exc:
+                    if first:
+                        raise _Upstream(f"{type(exc).__name__}: {exc}") from None
+                    err = _error_body(
+                        f"replica {label} failed mid-stream: {type(exc).__name__}",
+                        "BadGatewayError",
+                        502,
+                    )
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": b"data: " + err + b"\n\ndata: [DONE]\n\n",
+                            "more_body": False,
+                        }
+                    )
+                    status = 502
+                    return
+                if first:  # an empty 200 stream: say so rather than hang up
+                    raise _Upstream("empty stream")
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                self._check(choice, key, label, tail, request_id)
+            finally:
+                await resp.aclose()
+        finally:
+            if pending:
+                self._release_pending(rep, rank, pending)
+            rep.in_flight[rank] -= 1
+            gauge.dec()
+            if not first:
+                self._m.requests.labels(choice.pool.name, key[0], str(status)).inc()
+
+    @staticmethod
+    def _release_pending(rep: ReplicaState, rank: int, pending: int) -> None:
+        if pending:
+            rep.pending_prefill[rank] = max(0, rep.pending_prefill.get(rank, 0) - pending)
+
+    def _check(
+        self,
+        choice: RouteChoice,
+        key: tuple[str, int],
+        label: str,
+        data: bytes,
+        request_id: bytes,
+    ) -> None:
+        """Compare the reported hit with the prediction (prediction error loop)."""
+        pred = choice.prediction
+        if pred is None:
+            return
+        found = _CACHED.findall(data)
+        if not found:
+            return
+        actual = int(found[-1])
+        try:
+            hit = pred.hit(key)
+        except KeyError:
+            return
+        predicted = hit.hit_tokens
+        err = abs(actual - predicted)
+        metrics = self._m
+        metrics.prediction_checked.labels(label).inc()
+        metrics.prediction_error.labels(label).observe(err)
+        metrics.predicted_hit.labels(choice.pool.name).observe(predicted)
+        if err == 0:
+            metrics.prediction_exact.labels(label).inc()
+            return
+        row = next(
+            (r for r in pred.as_dict()["replicas"] if (r["replica"], r["dp_rank"]) == key), {}
+        )
+        self.state.record_mismatch(
+            {
+                "time": time.time(),
+                "request_id": request_id.decode("latin-1"),
+                "pool": choice.pool.name,
+                "replica": label,
+                "num_tokens": choice.num_tokens,
+                "predicted": predicted,
+                "cached_tokens": actual,
+                "error": actual - predicted,
+                "prediction": row,
+            }
+        )
+
+
+def _clen(data: bytes) -> tuple[bytes, bytes]:
+    return (b"content-length", str(len(data)).encode())

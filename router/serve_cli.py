@@ -1,0 +1,64 @@
+"""``kvrouter serve --config FILE``: run the router (flags > KVROUTER_* env > file)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, metavar="FILE", help="router TOML file")
+    parser.add_argument("--host", help="listen address (overrides server.host)")
+    parser.add_argument("--port", type=int, help="listen port (overrides server.port)")
+    parser.add_argument("--admin-token", help="bearer token of /admin (prefer the env var)")
+    parser.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], help="log level"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="validate the config and exit (0 ok, 2 bad)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from router.config import ConfigError, load_config
+
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "admin_token": args.admin_token,
+        "log_level": args.log_level,
+    }
+    try:
+        config = load_config(args.config, flags=flags)
+    except ConfigError as exc:
+        print(f"kvrouter serve: {exc}", file=sys.stderr)
+        return 2
+    from router.service import StartupError, check_startup
+
+    try:
+        check_startup(config)
+    except StartupError as exc:
+        print(f"kvrouter serve: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"{args.config}: ok ({len(config.pools)} pool(s))")
+        return 0
+    import logging
+
+    import uvicorn
+
+    from router.service import create_app
+
+    logging.basicConfig(level=config.server.log_level.upper())
+    app = create_app(config)
+    uvicorn.run(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_level=config.server.log_level,
+        access_log=False,
+        lifespan="on",
+    )
+    return 0

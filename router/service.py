@@ -1,0 +1,451 @@
+"""The router process: state per pool (index, predictor, policy, tokenizer, replicas), the app
+factory, and the lifespan that runs the event subscribers and the ``/metrics`` scraper.
+
+Everything runs on the serving event loop: each replica's :class:`AsyncSubscriber` feeds the
+index from that loop, so the index is read and written by one thread only (router.ingest).
+
+The ASGI app is a thin dispatcher: ``POST /v1/completions`` and ``/v1/chat/completions`` go
+straight to :class:`router.proxy.Proxy` (the hot path, raw ASGI, no framework on it); every
+other path goes to a FastAPI app (``/v1/models``, ``/health``, ``/metrics``, ``/admin``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from events.stream import StreamSpec, StreamStats
+from events.subscriber import AsyncSubscriber
+from router.config import PoolConfig, ReplicaConfig, RouterConfig, is_loopback
+from router.index import IndexLimits, KVIndex, ReplicaKey
+from router.ingest import IndexFeeder
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
+from router.predict import Prediction, Predictor
+from router.tokenize import RequestTokenizer, make_tokenizer
+
+__all__ = ["PoolState", "ReplicaState", "RouterState", "StartupError", "create_app"]
+
+log = logging.getLogger("kvrouter.serve")
+
+
+class StartupError(RuntimeError):
+    """The router cannot start safely with this config; the message says what to change."""
+
+
+@dataclass
+class ReplicaState:
+    """One replica as the proxy sees it: its client, load and health."""
+
+    cfg: ReplicaConfig
+    client: httpx.AsyncClient
+    ranks: list[int]
+    drained: bool = False
+    in_flight: dict[int, int] = field(default_factory=dict)
+    pending_prefill: dict[int, int] = field(default_factory=dict)
+    running: dict[int, float] = field(default_factory=dict)
+    waiting: dict[int, float] = field(default_factory=dict)
+    kv_usage: dict[int, float] = field(default_factory=dict)
+    scraped_at: float | None = None
+    scrape_error: str | None = None
+    failures: int = 0
+    subscriber: AsyncSubscriber | None = None
+    streams: dict[str, ReplicaKey] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.cfg.url,
+            "dp_ranks": self.ranks,
+            "drained": self.drained,
+            "in_flight": sum(self.in_flight.values()),
+            "pending_prefill_tokens": sum(self.pending_prefill.values()),
+            "running": self.running or None,
+            "waiting": self.waiting or None,
+            "kv_usage": self.kv_usage or None,
+            "scrape_error": self.scrape_error,
+            "failures": self.failures,
+            "streams": {s: f"{k[0]}/dp{k[1]}" for s, k in self.streams.items()},
+        }
+
+
+@dataclass
+class RouteChoice:
+    """A routing decision with what it was based on (kept for the error loop and headers)."""
+
+    pool: PoolState
+    decision: Decision
+    prediction: Prediction | None
+    num_tokens: int
+    token_ids: list[int] | None
+    reason: str | None
+
+
+class PoolState:
+    """One served model: its index, predictor, policy, tokenizer and replicas."""
+
+    def __init__(self, cfg: PoolConfig, router: RouterState) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.name = cfg.model
+        self.index = KVIndex(
+            cfg.layout, limits=IndexLimits(max_bytes=router.config.index.max_bytes), pool=cfg.model
+        )
+        self.predictor = Predictor(self.index)
+        self.policy: Policy = make_policy(cfg.policy)
+        self.fallback = LeastLoadPolicy(cfg.policy)
+        self.replicas: dict[str, ReplicaState] = {}
+        self.tokenizer: RequestTokenizer = make_tokenizer(
+            cfg.tokenizer, model=cfg.model, urls=self.live_urls
+        )
+
+    def live_urls(self) -> list[str]:
+        return [r.cfg.url for r in self.replicas.values() if not r.drained]
+
+    # -------------------------------------------------------------- replicas
+
+    async def add_replica(self, rcfg: ReplicaConfig) -> ReplicaState:
+        if rcfg.name in self.replicas:
+            raise ValueError(f"replica {rcfg.name!r} already exists in pool {self.name!r}")
+        s = self.router.config.server
+        client = httpx.AsyncClient(
+            base_url=rcfg.url,
+            timeout=httpx.Timeout(
+                connect=s.connect_timeout_s,
+                read=s.read_timeout_s,
+                write=s.read_timeout_s,
+                pool=s.connect_timeout_s,
+            ),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=256),
+        )
+        rep = ReplicaState(rcfg, client, rcfg.ranks())
+        for r in rep.ranks:
+            rep.in_flight[r] = 0
+            rep.pending_prefill[r] = 0
+            self.index.add_replica(rcfg.name, r)
+        specs = []
+        for sc in rcfg.stream_list():
+            sname = f"{self.name}/{rcfg.name}/dp{sc.dp_rank}"
+            rep.streams[sname] = (rcfg.name, sc.dp_rank)
+            specs.append(
+                StreamSpec(
+                    sname,
+                    sc.endpoint,
+                    sc.replay_endpoint,
+                    topic=rcfg.topic,
+                    dp_rank=sc.dp_rank,
+                    bind=rcfg.bind,
+                    replay_from_start=True,
+                    lazy_token_ids=True,
+                )
+            )
+        if specs:
+            feeder = IndexFeeder(self.index, rep.streams)
+            sub = AsyncSubscriber(
+                specs, on_item=feeder, replay_timeout=self.router.config.index.replay_timeout_s
+            )
+            try:
+                await sub.start()
+            except Exception:
+                await client.aclose()
+                for r in rep.ranks:
+                    self.index.remove_replica(rcfg.name, r)
+                raise
+            rep.subscriber = sub
+        else:
+            for r in rep.ranks:
+                self.index.mark_untrusted(
+                    (rcfg.name, r), "no event endpoint configured: routed by load only"
+                )
+        self.replicas[rcfg.name] = rep
+        return rep
+
+    async def remove_replica(self, name: str) -> None:
+        rep = self.replicas.pop(name)
+        if rep.subscriber is not None:
+            await rep.subscriber.close()
+        self.index.remove_replica(name)
+        await rep.client.aclose()
+
+    def stream_stats(self) -> dict[str, StreamStats]:
+        out: dict[str, StreamStats] = {}
+        for rep in self.replicas.values():
+            if rep.subscriber is not None:
+                out.update(rep.subscriber.stats())
+        return out
+
+    # --------------------------------------------------------------- routing
+
+    def candidates(
+        self, prediction: Prediction | None, exclude: set[ReplicaKey]
+    ) -> list[Candidate]:
+        hits = {h.replica: h for h in prediction.replicas} if prediction is not None else {}
+        out = []
+        for rep in self.replicas.values():
+            if rep.drained:
+                continue
+            for r in rep.ranks:
+                key = (rep.name, r)
+                if key in exclude:
+                    continue
+                h = hits.get(key)
+                res = h.result if h is not None else None
+                out.append(
+                    Candidate(
+                        key,
+                        hit_tokens=h.hit_tokens if h is not None else 0,
+                        fa_prefix_tokens=res.longest if res is not None else 0,
+                        tier_hits=h.tier_hits if h is not None else {},
+                        blind_hit_tokens=h.blind_hit_tokens if h is not None else None,
+                        trusted=h.trusted if h is not None else False,
+                        in_flight=rep.in_flight.get(r, 0),
+                        pending_prefill_tokens=rep.pending_prefill.get(r, 0),
+                        running=_get(rep.running, r),
+                        waiting=_get(rep.waiting, r),
+                        kv_usage=_get(rep.kv_usage, r, avg=True),
+                    )
+                )
+        return out
+
+    def predict(self, token_ids: list[int], body: dict[str, Any], explain: bool = False):
+        from router.hashing import RequestKeys
+
+        salt = body.get("cache_salt")
+        keys = RequestKeys(cache_salt=salt) if isinstance(salt, str) and salt else None
+        return self.predictor.predict(
+            token_ids,
+            keys,
+            skip_reading=body.get("prompt_logprobs") is not None
+            or bool(body.get("skip_reading_prefix_cache")),
+            explain=explain,
+            blind=explain or self.policy.needs_blind,
+        )
+
+    def decide(
+        self,
+        token_ids: list[int] | None,
+        body: dict[str, Any],
+        exclude: set[ReplicaKey] = frozenset(),  # type: ignore[assignment]
+        *,
+        explain: bool = False,
+        reason: str | None = None,
+    ) -> RouteChoice:
+        pred = None
+        if token_ids:
+            pred = self.predict(token_ids, body, explain)
+            decision = self.policy.choose(len(token_ids), self.candidates(pred, exclude))
+        else:
+            decision = self.fallback.choose(0, self.candidates(None, exclude))
+        return RouteChoice(
+            self, decision, pred, len(token_ids) if token_ids else 0, token_ids, reason
+        )
+
+
+def _get(d: dict[int, float], rank: int, avg: bool = False) -> Any:
+    if not d:
+        return None
+    if rank in d:
+        return d[rank]
+    return d.get(-1)
+
+
+_METRIC = re.compile(
+    rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"
+    rb"|vllm:gpu_cache_usage_perc)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)",
+    re.M,
+)
+_ENGINE = re.compile(rb'engine="(\d+)"')
+
+
+def parse_vllm_metrics(text: bytes) -> dict[str, dict[int, float]]:
+    """running / waiting / kv_usage per engine (DP rank; -1 when unlabelled), summed."""
+    out: dict[str, dict[int, float]] = {"running": {}, "waiting": {}, "kv_usage": {}}
+    names = {
+        b"vllm:num_requests_running": "running",
+        b"vllm:num_requests_waiting": "waiting",
+        b"vllm:kv_cache_usage_perc": "kv_usage",
+        b"vllm:gpu_cache_usage_perc": "kv_usage",
+    }
+    for m in _METRIC.finditer(text):
+        name, labels, value = m.groups()
+        em = _ENGINE.search(labels or b"")
+        rank = int(em.group(1)) if em else -1
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        d = out[names[name]]
+        d[rank] = d.get(rank, 0.0) + v
+    return out
+
+
+class RouterState:
+    """Everything the proxy and the admin API share (one copy of the state)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pools: dict[str, PoolState] = {}
+        self.models: dict[str, PoolState] = {}
+        self.metrics = RouterMetrics(self.snapshot)
+        self.mismatches: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=config.server.mismatch_log_size
+        )
+        self.started = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "pool": p.name,
+                "entries": p.index.entries,
+                "bytes": p.index.nbytes(),
+                "replica_stats": p.index.stats(),
+                "stream_stats": p.stream_stats(),
+            }
+            for p in self.pools.values()
+        ]
+
+    def pool_for(self, model: Any) -> PoolState | None:
+        p = self.models.get(model) if isinstance(model, str) else None
+        if p is None and model is None and len(self.pools) == 1:
+            return next(iter(self.pools.values()))
+        return p
+
+    async def start(self) -> None:
+        for pcfg in self.config.pools:
+            pool = PoolState(pcfg, self)
+            self.pools[pcfg.model] = pool
+            for name in (pcfg.model, *pcfg.aliases):
+                self.models[name] = pool
+            for rcfg in pcfg.replicas:
+                await pool.add_replica(rcfg)
+        if self.config.server.metrics_scrape_interval_s > 0:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._scrape_loop()))
+        self.started = True
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for pool in self.pools.values():
+            for name in list(pool.replicas):
+                await pool.remove_replica(name)
+            await pool.tokenizer.aclose()
+
+    async def scrape_once(self) -> None:
+        async def one(rep: ReplicaState) -> None:
+            path = rep.cfg.metrics_path
+            if path is None:
+                return
+            try:
+                r = await rep.client.get(path, timeout=self.config.server.connect_timeout_s)
+                r.raise_for_status()
+            except httpx.HTTPError as exc:
+                rep.scrape_error = f"{type(exc).__name__}: {exc}"
+                return
+            parsed = parse_vllm_metrics(r.content)
+            rep.running, rep.waiting, rep.kv_usage = (
+                parsed["running"],
+                parsed["waiting"],
+                parsed["kv_usage"],
+            )
+            rep.scraped_at = time.time()
+            rep.scrape_error = None
+
+        reps = [r for p in self.pools.values() for r in p.replicas.values()]
+        await asyncio.gather(*(one(r) for r in reps))
+
+    async def _scrape_loop(self) -> None:
+        interval = self.config.server.metrics_scrape_interval_s
+        while True:
+            try:
+                await self.scrape_once()
+            except Exception:  # never let the scraper die silently
+                log.exception("metrics scrape failed")
+            await asyncio.sleep(interval)
+
+    def record_mismatch(self, entry: dict[str, Any]) -> None:
+        self.mismatches.append(entry)
+
+
+def check_startup(config: RouterConfig) -> None:
+    s = config.server
+    if s.admin_enabled and not s.admin_token and not is_loopback(s.host):
+        raise StartupError(
+            f"admin API enabled on non-loopback host {s.host!r} without a token: set "
+            f"server.admin_token (or KVROUTER_ADMIN_TOKEN), or admin_enabled = false"
+        )
+
+
+def create_app(config: RouterConfig) -> Any:
+    """The router's ASGI app. ``app.state.router`` (FastAPI side) is the :class:`RouterState`."""
+    from router.admin import admin_router
+    from router.proxy import Proxy
+
+    check_startup(config)
+    state = RouterState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    api = FastAPI(title="kvrouter", lifespan=lifespan, version="0.1.0")
+    api.state.router = state
+
+    @api.get("/health")
+    async def health() -> Response:
+        if not state.started:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/v1/models")
+    async def models() -> Response:
+        now = int(time.time())
+        data = [
+            {"id": name, "object": "model", "created": now, "owned_by": "kvrouter"}
+            for name in state.models
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    if config.server.admin_enabled:
+        api.include_router(admin_router(state))
+
+    proxy = Proxy(state)
+    routes = {b"/v1/completions": "completion", b"/v1/chat/completions": "chat"}
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            kind = routes.get(scope.get("raw_path") or scope["path"].encode())
+            if kind is not None:
+                await proxy.handle(kind, scope, receive, send)
+                return
+        await api(scope, receive, send)
+
+    app.state = api.state  # type: ignore[attr-defined]
+    app.fastapi = api  # type: ignore[attr-defined]
+    return app

@@ -1,0 +1,240 @@
+"""A minimal real-socket stand-in for a vLLM replica, and a uvicorn-in-a-thread server helper.
+
+The fake serves the OpenAI routes the router proxies (JSON and SSE), ``/tokenize`` and
+``/metrics``, and publishes on a real ZeroMQ :class:`EventPublisher` the ``BlockStored``
+events vLLM would publish for each prompt (layout ``fa_swa``: full attention and a
+sliding window of 48 tokens, 16-token blocks; FA stores every full block, SWA the last 4).
+Its ``cached_tokens`` is the hit of its own state computed with the project's predictor
+(plus ``lie_by`` when a test wants a mismatch). Test knobs: ``fail_status`` (answer 5xx),
+``die_after_chunks`` (drop the connection mid-stream), ``evict_swa(prompt)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from events.publisher import EventPublisher
+from events.schema import BlockRemoved, BlockStored
+from router import builtin_tokenizer as bt
+from router.hashing import BlockHasher
+from router.index import KVIndex
+from router.layout import GroupKind, GroupSpec, ModelLayout
+from router.predict import Predictor
+
+LAYOUT = ModelLayout(
+    groups=(
+        GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),
+        GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=48),
+    )
+)
+MODEL = "fake-model"
+LOOPBACK = "tcp://127.0.0.1:*"
+
+
+class FakeReplica:
+    def __init__(self, name: str, *, model: str = MODEL) -> None:
+        self.name = name
+        self.model = model
+        self.pub = EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
+        self.hasher = BlockHasher(LAYOUT.hash, 16)
+        self.index = KVIndex(LAYOUT)
+        self.index.add_replica("self", 0)
+        self.predictor = Predictor(self.index)
+        self.lock = threading.Lock()
+        self.fail_status: int | None = None
+        self.die_after_chunks: int | None = None
+        self.lie_by = 0
+        self.requests = 0
+        self.last_headers: dict[str, str] = {}
+        self.app = self._build()
+
+    # ---------------------------------------------------------------- cache
+
+    def _events_for(self, ids: list[int]) -> list[Any]:
+        wire = self.hasher.wire_chain(ids)
+        n = len(wire)
+        common = dict(parent_block_hash=None, lora_id=None, medium="GPU", lora_name=None)
+        return [
+            BlockStored(
+                block_hashes=wire, token_ids=ids[: n * 16], block_size=16, group_idx=0,
+                kv_cache_spec_kind="full_attention", **common,
+            ),
+            BlockStored(
+                block_hashes=wire[max(0, n - 4) :], token_ids=ids[: n * 16], block_size=16,
+                group_idx=1, kv_cache_spec_kind="sliding_window",
+                kv_cache_spec_sliding_window=48, **common,
+            ),
+        ]  # fmt: skip
+
+    def serve_prompt(self, ids: list[int]) -> int:
+        """The hit of ``ids`` now, then cache it and publish the events (before answering,
+        like vLLM)."""
+        with self.lock:
+            hit = self.predictor.predict(ids).hit(("self", 0)).hit_tokens
+            evs = self._events_for(ids)
+            self.index.apply_events(("self", 0), evs)
+            self.pub.publish(evs)
+        return hit
+
+    def evict_swa(self, ids: list[int]) -> None:
+        """Drop the sliding-window blocks of ``ids`` (the FA blocks stay), as vLLM does."""
+        wire = self.hasher.wire_chain(ids)
+        ev = BlockRemoved(block_hashes=wire[max(0, len(wire) - 4) :], medium="GPU", group_idx=1)
+        with self.lock:
+            self.index.apply_events(("self", 0), [ev])
+            self.pub.publish([ev])
+
+    # ------------------------------------------------------------------ http
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        def tokens(kind: str, body: dict[str, Any]) -> list[int]:
+            if kind == "chat":
+                return bt.encode_chat(body["messages"])
+            p = body["prompt"]
+            if isinstance(p, list):
+                return p
+            return bt.encode(p, body.get("add_special_tokens", True))
+
+        async def complete(kind: str, request: Request) -> Response:
+            self.requests += 1
+            self.last_headers = dict(request.headers)
+            if self.fail_status:
+                return JSONResponse({"error": {"message": "boom"}}, status_code=self.fail_status)
+            body = msgspec.json.decode(await request.body())
+            ids = tokens(kind, body)
+            hit = self.serve_prompt(ids) + self.lie_by
+            n_out = int(body.get("max_tokens") or 4)
+            words = [f"w{(ids[-1] + i) % 100}" for i in range(n_out)]
+            usage = {
+                "prompt_tokens": len(ids),
+                "completion_tokens": n_out,
+                "total_tokens": len(ids) + n_out,
+                "prompt_tokens_details": {"cached_tokens": hit},
+            }
+            obj = "chat.completion" if kind == "chat" else "text_completion"
+            rid = f"cmpl-{len(ids)}-{ids[-1]}"
+            if not body.get("stream"):
+                choice = (
+                    {"index": 0, "message": {"role": "assistant", "content": " ".join(words)}}
+                    if kind == "chat"
+                    else {"index": 0, "text": " ".join(words), "finish_reason": "length"}
+                )
+                return Response(
+                    msgspec.json.encode(
+                        {"id": rid, "object": obj, "model": self.model, "choices": [choice],
+                         "usage": usage, "served_by": self.name}
+                    ),
+                    media_type="application/json",
+                )  # fmt: skip
+            include_usage = (body.get("stream_options") or {}).get("include_usage")
+            die = self.die_after_chunks
+
+            async def gen():
+                for i, w in enumerate(words):
+                    if die is not None and i >= die:
+                        raise RuntimeError("replica died mid-stream")
+                    chunk = {
+                        "id": rid, "object": obj + ".chunk", "model": self.model,
+                        "choices": [{"index": 0, "text": (" " if i else "") + w}],
+                    }  # fmt: skip
+                    yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                    await asyncio.sleep(0)
+                if include_usage:
+                    last = {"id": rid, "object": obj + ".chunk", "choices": [], "usage": usage}
+                    yield b"data: " + msgspec.json.encode(last) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await complete("completion", request)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return await complete("chat", request)
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> Response:
+            body = msgspec.json.decode(await request.body())
+            if "messages" in body:
+                ids = bt.encode_chat(
+                    body["messages"],
+                    body.get("add_generation_prompt", True),
+                    body.get("add_special_tokens", False),
+                )
+            else:
+                ids = bt.encode(body["prompt"], body.get("add_special_tokens", True))
+            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": 4096})
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            text = (
+                f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} 0.0\n'
+                f'vllm:num_requests_waiting{{engine="0",model_name="{self.model}"}} 0.0\n'
+                f'vllm:kv_cache_usage_perc{{engine="0",model_name="{self.model}"}} 0.1\n'
+            )
+            return Response(text, media_type="text/plain")
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(b"")
+
+        return app
+
+    def close(self) -> None:
+        self.pub.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving an ASGI app on 127.0.0.1 in a thread, started and stopped with
+    deadlines (no sleeps as synchronisation)."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        cfg = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
+            access_log=False,
+        )  # fmt: skip
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {self.port} did not start")
+            time.sleep(0.005)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

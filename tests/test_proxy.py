@@ -1,0 +1,264 @@
+"""The router end to end over real loopback HTTP and ZeroMQ, in front of 3 fake replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from fake_replica import LAYOUT, MODEL, FakeReplica, ServerThread
+from zmq_helpers import wait_for
+
+from router.config import parse_config
+from router.service import create_app
+
+TOKEN = "t0ken"
+
+
+def router_toml(reps: dict[str, tuple[FakeReplica, ServerThread]], **server: Any) -> str:
+    groups = (
+        '{kind = "full_attention", block_size = 16}, '
+        '{kind = "sliding_window", block_size = 16, sliding_window = 48}'
+    )
+    assert len(LAYOUT.groups) == 2
+    lines = ["[server]", f'admin_token = "{TOKEN}"', "metrics_scrape_interval_s = 0.2"]
+    lines += [f"{k} = {v!r}" for k, v in server.items()]
+    lines += ["[[pools]]", f'model = "{MODEL}"', "[pools.layout]", f"groups = [{groups}]"]
+    for name, (fake, srv) in reps.items():
+        lines += [
+            "[[pools.replicas]]",
+            f'name = "{name}"',
+            f'url = "{srv.url}"',
+            f'event_endpoint = "{fake.pub.endpoint}"',
+            f'replay_endpoint = "{fake.pub.replay_endpoint}"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.fakes: dict[str, tuple[FakeReplica, ServerThread]] = {}
+        for name in ("a", "b", "c"):
+            fake = FakeReplica(name)
+            self.fakes[name] = (fake, ServerThread(fake.app).start())
+        self.config = parse_config(router_toml(self.fakes))
+        self.router = ServerThread(create_app(self.config)).start()
+        self.http = httpx.Client(base_url=self.router.url, timeout=10)
+        self.admin = {"authorization": f"Bearer {TOKEN}"}
+
+    def fake(self, name: str) -> FakeReplica:
+        return self.fakes[name][0]
+
+    def direct(self, name: str) -> httpx.Client:
+        return httpx.Client(base_url=self.fakes[name][1].url, timeout=10)
+
+    def explain(self, **body: Any) -> dict[str, Any]:
+        r = self.http.post("/admin/route/explain", json=body, headers=self.admin)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def hits(self, prompt: str) -> dict[str, int]:
+        return {
+            row["replica"]: row["hit_tokens"] for row in self.explain(prompt=prompt)["replicas"]
+        }
+
+    def wait_hits(self, prompt: str, cond, what: str) -> dict[str, int]:
+        return wait_for(lambda: (h := self.hits(prompt)) and cond(h) and h, 10, what)
+
+    def reset_knobs(self) -> None:
+        for fake, _ in self.fakes.values():
+            fake.fail_status = None
+            fake.die_after_chunks = None
+            fake.lie_by = 0
+        for name in self.fakes:
+            self.http.post(f"/admin/replicas/{name}/undrain", headers=self.admin)
+
+    def close(self) -> None:
+        self.http.close()
+        self.router.stop()
+        for fake, srv in self.fakes.values():
+            srv.stop()
+            fake.close()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(autouse=True)
+def _knobs(cluster: Cluster) -> Iterator[None]:
+    cluster.reset_knobs()
+    yield
+    cluster.reset_knobs()
+
+
+def words(seed: int, n: int) -> str:
+    return " ".join(f"w{(seed * 7919 + i * 104729) % 2000}" for i in range(n))
+
+
+def test_shared_prefix_lands_on_the_replica_that_has_it(cluster: Cluster) -> None:
+    prefix = words(1, 300)
+    with cluster.direct("b") as b:
+        assert b.post("/v1/completions", json={"model": MODEL, "prompt": prefix + " w1"}).is_success
+    prompt = prefix + " w2 w3"
+    cluster.wait_hits(prompt, lambda h: h["b"] > 0, "b's events indexed")
+    r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+    assert r.status_code == 200
+    assert r.headers["x-kvrouter-replica"] == "b"
+    predicted = int(r.headers["x-kvrouter-predicted-hit"])
+    assert predicted >= 256
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
+
+
+def test_swa_evicted_replica_loses_although_it_holds_the_fa_blocks(cluster: Cluster) -> None:
+    prefix = words(2, 400)
+    for name in ("a", "c"):
+        with cluster.direct(name) as d:
+            assert d.post("/v1/completions", json={"model": MODEL, "prompt": prefix}).is_success
+    prompt = prefix + " w5 w6 w7"
+    cluster.wait_hits(prompt, lambda h: h["a"] > 0 and h["c"] > 0, "a and c indexed")
+    cluster.fake("a").evict_swa(_ids(prefix))
+    h = cluster.wait_hits(prompt, lambda h: h["a"] == 0, "a's SWA eviction indexed")
+    assert h["c"] > 0
+    ex = cluster.explain(prompt=prompt)
+    rows = {row["replica"]: row for row in ex["replicas"]}
+    fa = next(k for k in rows["a"]["spec_group_hits"] if k.startswith("full_attention"))
+    assert rows["a"]["spec_group_hits"][fa] == rows["c"]["spec_group_hits"][fa] > 0
+    assert rows["a"]["group_blind_hit_tokens"] == rows["c"]["group_blind_hit_tokens"]
+    assert rows["a"]["limiting_group"].startswith("sliding_window")
+    for _ in range(5):
+        assert cluster.explain(prompt=prompt)["chosen"]["replica"] == "c"
+    r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+    assert r.headers["x-kvrouter-replica"] == "c"
+
+
+def _ids(text: str) -> list[int]:
+    from router import builtin_tokenizer as bt
+
+    return bt.encode(text)
+
+
+def test_streaming_is_byte_for_byte_a_direct_call(cluster: Cluster) -> None:
+    body = {"model": MODEL, "prompt": words(3, 100), "stream": True, "max_tokens": 8}
+    with cluster.http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        via = b"".join(r.iter_raw())
+        name = r.headers["x-kvrouter-replica"]
+    with cluster.direct(name) as d, d.stream("POST", "/v1/completions", json=body) as r:
+        direct = b"".join(r.iter_raw())
+    assert via == direct and via.endswith(b"data: [DONE]\n\n")
+
+
+def test_streaming_usage_feeds_the_prediction_check(cluster: Cluster) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": words(4, 200),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    for _ in range(2):
+        with cluster.http.stream("POST", "/v1/completions", json=body) as r:
+            b"".join(r.iter_raw())
+    text = cluster.http.get("/metrics").text
+    assert "kvrouter_prediction_checked_total" in text
+    assert "kvrouter_prediction_exact_total" in text
+
+
+def test_failover_on_a_5xx_before_the_first_byte(cluster: Cluster) -> None:
+    prompt = words(5, 200)
+    first = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+    owner = first.headers["x-kvrouter-replica"]
+    cluster.wait_hits(prompt + " w9", lambda h: h[owner] > 0, "owner indexed")
+    cluster.fake(owner).fail_status = 503
+    r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt + " w9"})
+    assert r.status_code == 200
+    assert r.headers["x-kvrouter-replica"] != owner
+    assert cluster.fake(owner).requests >= 1
+
+
+def test_all_replicas_failing_returns_the_upstream_error(cluster: Cluster) -> None:
+    for fake, _ in cluster.fakes.values():
+        fake.fail_status = 500
+    r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": "w1 w2"})
+    assert r.status_code == 500
+    assert "error" in r.json()
+
+
+def test_mid_stream_failure_ends_with_an_error_event_and_done(cluster: Cluster) -> None:
+    for fake, _ in cluster.fakes.values():
+        fake.die_after_chunks = 2
+    body = {"model": MODEL, "prompt": words(6, 50), "stream": True, "max_tokens": 6}
+    with cluster.http.stream("POST", "/v1/completions", json=body) as r:
+        data = b"".join(r.iter_raw())
+    events = [e for e in data.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    err = msgspec.json.decode(events[-2][len(b"data: ") :])
+    assert err["error"]["code"] == 502
+    assert len(events) == 4  # two tokens, the error, [DONE]
+
+
+def test_chat_and_request_id_and_hop_headers(cluster: Cluster) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words(7, 40)}]}
+    r = cluster.http.post(
+        "/v1/chat/completions",
+        json=body,
+        headers={"x-request-id": "req-42", "connection": "keep-alive", "x-custom": "1"},
+    )
+    assert r.status_code == 200 and r.headers["x-request-id"] == "req-42"
+    got = cluster.fake(r.headers["x-kvrouter-replica"]).last_headers
+    assert got["x-request-id"] == "req-42" and got["x-custom"] == "1"
+    r = cluster.http.post("/v1/chat/completions", json=body)
+    assert len(r.headers["x-request-id"]) == 32
+
+
+def test_untokenizable_request_is_routed_by_load_and_counted(cluster: Cluster) -> None:
+    content = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
+    assert r.headers["x-kvrouter-predicted-hit"] == "0"
+    ex = cluster.explain(messages=body["messages"])
+    assert ex["tokenized"] is False and ex["untokenized_reason"] == "non_text_content"
+    assert 'reason="batched_prompts"' in cluster.http.get("/metrics").text
+
+
+def test_bad_requests(cluster: Cluster) -> None:
+    limit = cluster.config.server.max_body_bytes
+    big = cluster.http.post("/v1/completions", content=b"x" * (limit + 1))
+    assert big.status_code == 413
+    assert cluster.http.post("/v1/completions", content=b"{nope").status_code == 400
+    r = cluster.http.post("/v1/completions", json={"model": "other", "prompt": "w1"})
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+
+
+def test_models_health_metrics(cluster: Cluster) -> None:
+    assert cluster.http.get("/health").json() == {"status": "ok"}
+    assert [m["id"] for m in cluster.http.get("/v1/models").json()["data"]] == [MODEL]
+    wait_for(lambda: "kvrouter_index_entries" in cluster.http.get("/metrics").text, 5, "metrics")
+    text = cluster.http.get("/metrics").text
+    for name in (
+        "kvrouter_requests_total",
+        "kvrouter_decision_seconds",
+        "kvrouter_events_total",
+        "kvrouter_stream_lag_seconds",
+        "kvrouter_in_flight",
+        "kvrouter_index_bytes",
+    ):
+        assert name in text, name
+
+
+def test_prediction_mismatch_is_recorded(cluster: Cluster) -> None:
+    for fake, _ in cluster.fakes.values():
+        fake.lie_by = 16
+    r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": words(8, 64)})
+    assert r.status_code == 200
+    mm = cluster.http.get("/admin/mismatches", headers=cluster.admin).json()["mismatches"]
+    assert mm and mm[-1]["error"] == 16 and mm[-1]["replica"] == r.headers["x-kvrouter-replica"]
+    assert mm[-1]["prediction"]["hit_tokens"] == mm[-1]["predicted"]
