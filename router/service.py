@@ -16,6 +16,7 @@ import collections
 import contextlib
 import logging
 import re
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -132,7 +133,12 @@ class PoolState:
                 write=s.read_timeout_s,
                 pool=s.connect_timeout_s,
             ),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=256),
+            # TCP_NODELAY: httpx writes head and body separately; with Nagle's algorithm and
+            # the replica's delayed ACK the body would wait ~40 ms (measured in the bench).
+            transport=httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=256),
+                socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+            ),
         )
         rep = ReplicaState(rcfg, client, rcfg.ranks())
         for r in rep.ranks:

@@ -1,0 +1,293 @@
+"""What kvrouter costs on the hot path: direct vs through the router, against fast fake backends.
+
+Two fake backends (a raw-ASGI uvicorn process each, answering at once with a JSON completion
+or an 8-chunk SSE stream, and a real KV-event publisher so the router's replicas are trusted)
+and ``kvrouter serve`` run as subprocesses. A light HTTP/1.1 keep-alive client (raw asyncio
+streams, so the client's own cost stays small on a 2-core machine) sends 2,000-token prompts
+(distinct ``wN`` words, builtin tokenizer) at concurrency 1, 16 and 64, first directly to a
+backend, then through the router. Each cell is bounded in requests and seconds.
+
+Reported per cell: requests/s, p50/p99 latency, added p50/p99 (router minus direct) and the
+router's CPU milliseconds per request (utime+stime of the router process from /proc, divided
+by the requests it served). Targets (issue #5): <= 0.5 ms router CPU per request non-streaming
+at concurrency 16, <= 1 ms added p50 at concurrency 1.
+
+    .venv/bin/python bench/proxy_bench.py [--quick] [--profile]
+
+``--profile`` runs the router under cProfile for the c=16 JSON cell and prints the top
+functions by cumulative time (written to bench/results/proxy_bench.prof).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "proxy_bench.json"
+TICK = os.sysconf("SC_CLK_TCK")
+
+BACKEND = r"""
+import sys, msgspec, uvicorn
+from events.publisher import EventPublisher
+port = int(sys.argv[1])
+pub = EventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+print(pub.endpoint, pub.replay_endpoint, flush=True)
+usage = {"prompt_tokens": 2001, "completion_tokens": 8, "total_tokens": 2009,
+         "prompt_tokens_details": {"cached_tokens": 0}}
+JSON = msgspec.json.encode({"id": "x", "object": "text_completion", "model": "bench",
+    "choices": [{"index": 0, "text": " w1" * 8, "finish_reason": "length"}], "usage": usage})
+CHUNKS = [b"data: " + msgspec.json.encode({"id": "x", "choices": [{"index": 0, "text": " w1"}]})
+          + b"\n\n" for _ in range(8)]
+LAST = b"data: " + msgspec.json.encode({"id": "x", "choices": [], "usage": usage}) + b"\n\n"
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    more = True
+    body = b""
+    while more:
+        m = await receive(); body += m.get("body", b""); more = m.get("more_body", False)
+    if scope["path"] == "/metrics":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""}); return
+    if b'"stream":true' in body:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for c in CHUNKS:
+            await send({"type": "http.response.body", "body": c, "more_body": True})
+        await send({"type": "http.response.body", "body": LAST + b"data: [DONE]\n\n"})
+    else:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(JSON)).encode())]})
+        await send({"type": "http.response.body", "body": JSON})
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection (Content-Length and chunked responses)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.r: asyncio.StreamReader | None = None
+        self.w: asyncio.StreamWriter | None = None
+
+    async def request(self, path: str, body: bytes) -> int:
+        if self.w is None:
+            self.r, self.w = await asyncio.open_connection(self.host, self.port)
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        self.w.write(head + body)
+        r = self.r
+        assert r is not None
+        status_line = await r.readline()
+        status = int(status_line.split()[1])
+        length = None
+        chunked = False
+        while True:
+            line = await r.readline()
+            if line in (b"\r\n", b""):
+                break
+            k, _, v = line.decode("latin-1").partition(":")
+            k = k.strip().lower()
+            if k == "content-length":
+                length = int(v)
+            elif k == "transfer-encoding" and "chunked" in v:
+                chunked = True
+        if length is not None:
+            await r.readexactly(length)
+        elif chunked:
+            while True:
+                n = int((await r.readline()).split(b";")[0], 16)
+                await r.readexactly(n + 2)
+                if n == 0:
+                    break
+        return status
+
+
+async def run_cell(
+    port: int, bodies: list[bytes], concurrency: int, max_requests: int, max_seconds: float
+) -> dict:
+    lat: list[float] = []
+    errors = 0
+    it = iter(range(max_requests))
+    deadline = time.monotonic() + max_seconds
+
+    async def worker() -> None:
+        nonlocal errors
+        conn = Conn("127.0.0.1", port)
+        for i in it:
+            if time.monotonic() > deadline:
+                return
+            t = time.perf_counter()
+            status = await conn.request("/v1/completions", bodies[i % len(bodies)])
+            lat.append(time.perf_counter() - t)
+            if status != 200:
+                errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return {
+        "requests": len(lat),
+        "errors": errors,
+        "rps": len(lat) / wall,
+        "p50_ms": lat[len(lat) // 2] * 1000,
+        "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000,
+    }
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"process exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"port {port} never opened")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer requests per cell")
+    ap.add_argument("--profile", action="store_true", help="cProfile the router (c=16 JSON)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="max seconds per cell")
+    args = ap.parse_args()
+    n_req = {1: 200, 16: 1000, 64: 1500} if not args.quick else {1: 60, 16: 300, 64: 400}
+    procs: list[subprocess.Popen] = []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        backends = []
+        for _ in range(2):
+            port = free_port()
+            p = subprocess.Popen(
+                [sys.executable, "-c", BACKEND, str(port)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+            )  # fmt: skip
+            procs.append(p)
+            ep, rep = p.stdout.readline().split()
+            wait_port(port, p)
+            backends.append((port, ep, rep))
+        rport = free_port()
+        lines = [
+            "[server]", f"port = {rport}", "metrics_scrape_interval_s = 0", 'log_level = "error"',
+            "[[pools]]", 'model = "bench"',
+            "[pools.layout]",
+            'groups = [{kind = "full_attention", block_size = 16}, '
+            '{kind = "sliding_window", block_size = 16, sliding_window = 64}]',
+        ]  # fmt: skip
+        for i, (port, ep, rep) in enumerate(backends):
+            lines += [
+                "[[pools.replicas]]", f'name = "b{i}"', f'url = "http://127.0.0.1:{port}"',
+                f'event_endpoint = "{ep}"', f'replay_endpoint = "{rep}"',
+            ]  # fmt: skip
+        cfg = Path(tempfile.mkdtemp()) / "router.toml"
+        cfg.write_text("\n".join(lines) + "\n")
+        prof = ROOT / "bench" / "results" / "proxy_bench.prof"
+        cmd = [sys.executable]
+        if args.profile:
+            cmd += ["-m", "cProfile", "-o", str(prof)]
+        cmd += ["-m", "router.cli", "serve", "--config", str(cfg)]
+        router = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+        )
+        procs.append(router)
+        wait_port(rport, router)
+
+        rng = random.Random(0)
+
+        def bodies(stream: bool, n: int = 64) -> list[bytes]:
+            out = []
+            for _ in range(n):
+                prompt = " ".join(f"w{rng.randrange(2041)}" for _ in range(2000))
+                b = {"model": "bench", "prompt": prompt, "max_tokens": 8, "stream": stream}
+                out.append(json.dumps(b, separators=(",", ":")).encode())
+            return out
+
+        rows = []
+        for mode in ("json", "sse"):
+            data = bodies(mode == "sse")
+            for c in (1, 16, 64):
+                if args.profile and (mode, c) != ("json", 16):
+                    continue
+                n = n_req[c]
+                asyncio.run(run_cell(backends[0][0], data, c, min(n, 50), 5))  # warm up
+                direct = asyncio.run(run_cell(backends[0][0], data, c, n, args.seconds))
+                asyncio.run(run_cell(rport, data, c, min(n, 50), 5))
+                cpu0 = cpu_seconds(router.pid)
+                via = asyncio.run(run_cell(rport, data, c, n, args.seconds))
+                cpu = cpu_seconds(router.pid) - cpu0
+                row = {
+                    "mode": mode,
+                    "concurrency": c,
+                    "direct": direct,
+                    "router": via,
+                    "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
+                    "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
+                    "router_cpu_ms_per_request": cpu * 1000 / max(1, via["requests"]),
+                }
+                rows.append(row)
+                print(
+                    f"{mode:4} c={c:<3} direct {direct['rps']:7.0f} rps p50 "
+                    f"{direct['p50_ms']:6.2f} ms | router {via['rps']:7.0f} rps p50 "
+                    f"{via['p50_ms']:6.2f} p99 {via['p99_ms']:7.2f} ms | added p50 "
+                    f"{row['added_p50_ms']:6.2f} p99 {row['added_p99_ms']:7.2f} ms | "
+                    f"router CPU {row['router_cpu_ms_per_request']:.3f} ms/req"
+                    + (f" ERRORS {via['errors']}" if via["errors"] else ""),
+                    flush=True,
+                )
+        out = {
+            "python": sys.version.split()[0],
+            "cpus": os.cpu_count(),
+            "prompt_tokens": 2001,
+            "targets": {"router_cpu_ms_json_c16": 0.5, "added_p50_ms_c1": 1.0},
+            "rows": rows,
+        }
+        if not args.profile:
+            RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            RESULTS.write_text(json.dumps(out, indent=2))
+            print(f"wrote {RESULTS}")
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGINT)  # uvicorn exits cleanly; cProfile writes its file
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    if args.profile:
+        import pstats
+
+        pstats.Stats(str(prof)).sort_stats("tottime").print_stats(25)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
