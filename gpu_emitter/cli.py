@@ -20,9 +20,13 @@ option, unknown layout, or an address that cannot be bound.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["add_arguments", "event_source", "run"]
@@ -152,7 +156,10 @@ def _check(args: argparse.Namespace) -> str | None:
 
 def _bind_http(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must be IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY on accepted connections
+    # only then, and without it every response with a body waits ~40 ms (Nagle + delayed
+    # ACK between uvicorn's header and body writes).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -162,6 +169,35 @@ def _bind_http(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that SIGINT/SIGTERM end it with exit code 0: uvicorn
+        re-raises the signal after a graceful shutdown, which would turn a clean stop into
+        a KeyboardInterrupt traceback or a death by SIGTERM. A second signal forces exit."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+
+            def stop(sig: int, frame: Any) -> None:
+                if self.should_exit:
+                    self.force_exit = True
+                self.should_exit = True
+
+            old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    server_class = _server_class()
     host, port = http_sock.getsockname()[:2]
     print(f"http http://{host}:{port}", flush=True)
     print(f"events {publisher.endpoint}", flush=True)
@@ -231,9 +268,9 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
+    server = server_class(config)
     try:
-        server.run(sockets=[http_sock])  # uvicorn turns SIGINT/SIGTERM into a clean shutdown
+        server.run(sockets=[http_sock])
     finally:
         publisher.close()  # idempotent; covers a failed startup
         http_sock.close()

@@ -144,8 +144,16 @@ class StandInPool:
         return out
 
 
-def make_pool(num_blocks: int = 512) -> StandInPool:
-    return StandInPool(num_blocks)
+def make_pool(num_blocks: int = 512) -> Any:
+    """A full-attention pool with 16-token blocks: the real HybridBlockPool when present."""
+    try:
+        from gpu_emitter.block_pool import HybridBlockPool
+    except ImportError:
+        return StandInPool(num_blocks)
+    from router.layout import GroupKind, GroupSpec, ModelLayout
+
+    layout = ModelLayout(groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=B),))
+    return HybridBlockPool(layout, num_blocks)
 
 
 class RecordingSink:
@@ -280,10 +288,11 @@ def test_max_num_seqs_bounds_running_and_admission_is_fifo() -> None:
 def test_preemption_keeps_outputs_identical() -> None:
     async def main(blocks: int) -> tuple[list[list[int]], int]:
         engine, pool, _ = await _engine(pool=make_pool(blocks))
+        free = pool.num_free_blocks
         reqs = [engine.submit(prompt(40, salt=i), 40) for i in range(4)]
         outs = [await r.result() for r in reqs]
         await engine.stop()
-        assert pool.num_free_blocks == pool.num_blocks
+        assert pool.num_free_blocks == free
         return outs, engine.stats.preemptions
 
     roomy, p0 = run(main(512))
@@ -308,12 +317,14 @@ def test_abort_frees_blocks() -> None:
     async def main() -> None:
         cost = CostModel(decode_s_per_step=0.001)
         engine, pool, _ = await _engine(cost=cost)
+        free = pool.num_free_blocks
         r = engine.submit(prompt(64), 1000)
         async for _ in r.stream():
             break
+        assert pool.num_free_blocks < free
         engine.abort(r)
         assert r.finish_reason == "abort" and engine.num_running == 0
-        assert pool.num_free_blocks == pool.num_blocks
+        assert pool.num_free_blocks == free
         await engine.stop()
 
     run(main())

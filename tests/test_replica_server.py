@@ -57,7 +57,7 @@ class Replica:
             ],
         )
         app = create_app(self.engine, info, on_shutdown=self.publisher.close)
-        self._sock = socket.socket()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on"))
@@ -448,6 +448,18 @@ def test_cli_serves_and_stops_on_sigint() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_cli_http_socket_is_tcp_so_asyncio_sets_nodelay() -> None:
+    """A listening socket made with proto 0 makes asyncio skip TCP_NODELAY on accepted
+    connections, and every response with a body then stalls ~40 ms (Nagle + delayed ACK)."""
+    from gpu_emitter.cli import _bind_http
+
+    sock = _bind_http("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()
 
 
 def test_cli_rejects_unknown_layout() -> None:
