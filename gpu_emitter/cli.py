@@ -142,7 +142,7 @@ def event_source(publisher: Any, configured: str, configured_replay: str | None)
 def _check(args: argparse.Namespace) -> str | None:
     checks = [
         (0 <= args.port <= 65535, "--port must be 0..65535"),
-        (args.num_blocks >= 1, "--num-blocks must be >= 1"),
+        (args.num_blocks >= 2, "--num-blocks must be >= 2 (one block is the null block)"),
         (args.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
         (args.max_model_len >= 2, "--max-model-len must be >= 2"),
         (args.prefill_ms_per_token >= 0, "--prefill-ms-per-token must be >= 0"),
@@ -206,17 +206,19 @@ def run(args: argparse.Namespace) -> int:
         return _fail(problem)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
-    from events.publisher import EndpointError, EventPublisher
-    from gpu_emitter.block_pool import HybridBlockPool
-    from gpu_emitter.cost_model import CostModel
-    from gpu_emitter.engine import Engine
     from gpu_emitter.layouts import load_layout
-    from gpu_emitter.server import ReplicaInfo, create_app
 
     try:
         layout = load_layout(args.layout)
     except Exception as exc:  # the loader's own message names the shipped layouts
         return _fail(f"--layout {args.layout!r}: {exc}")
+
+    from events.publisher import EndpointError, EventPublisher
+    from gpu_emitter.block_pool import HybridBlockPool  # imports torch: after the checks
+    from gpu_emitter.cost_model import CostModel
+    from gpu_emitter.engine import Engine
+    from gpu_emitter.server import ReplicaInfo, create_app
+
     try:
         pool = HybridBlockPool(layout, args.num_blocks)
     except Exception as exc:

@@ -375,3 +375,29 @@ def test_stop_fails_unfinished_requests() -> None:
             await r.result()
 
     run(main())
+
+
+@pytest.mark.parametrize("layout_name", ["fa_swa", "gemma3", "fa_mamba"])
+def test_reported_hit_is_the_pools_hybrid_hit(layout_name: str) -> None:
+    """cached_tokens is what the pool's own find_hit says just before admission, on hybrid
+    layouts where the sliding-window or Mamba group limits the hit."""
+    block_pool = pytest.importorskip("gpu_emitter.block_pool")
+    from gpu_emitter.layouts import load_layout
+
+    async def main() -> list[tuple[int, int | None]]:
+        pool = block_pool.HybridBlockPool(load_layout(layout_name), 4096)
+        engine, _, _ = await _engine(pool=pool)
+        shared = prompt(700)
+        pairs = []
+        for i, tail in enumerate([0, 0, 50, 51, 0, 130, 50]):
+            p = shared + prompt(tail + 1, salt=i % 3)[1:]
+            predicted = pool.find_hit(p).hit_tokens
+            r = engine.submit(p, 3)
+            await r.result()
+            pairs.append((predicted, r.cached_tokens))
+        await engine.stop()
+        return pairs
+
+    pairs = run(main())
+    assert all(pred == got for pred, got in pairs), pairs
+    assert any(got for _, got in pairs)
