@@ -291,6 +291,7 @@ class Request:
     """A running request's state in the pool (read-only for callers)."""
 
     __slots__ = (
+        "cum",
         "groups",
         "hash_block_size",
         "hit",
@@ -331,6 +332,8 @@ class Request:
         self.wires: list[Any] = []
         self.last_digest: bytes = b""
         self.groups = [GroupState() for _ in range(n_groups)]
+        self.cum: list[int] = []
+        """Running prefix sums behind the KV values' prefix signature."""
         self.pending: list[tuple[int, int, int, int]] = []
         """``(group, position, block id, epoch)`` allocated at admission, not yet written."""
 
@@ -740,13 +743,7 @@ class HybridBlockPool:
 
     # ------------------------------------------------------------------ KV data
 
-    def _signature(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.numel(), device=self.device)
-        return torch.cumsum((tokens + 1) * (pos % 251 + 1), 0) % _SIG_MOD
-
-    def _values(self, tokens: torch.Tensor, positions: torch.Tensor, group: int) -> torch.Tensor:
-        sig = self._signature(tokens)
-        base = (tokens[positions] * 31 + positions * 7 + sig[positions] * 13) % _MOD
+    def _finish(self, base: torch.Tensor, group: int) -> torch.Tensor:
         v = (base.view(-1, 1, 1, 1, 1) + self._inner[group]) % _MOD
         return (v.to(torch.float32) / _MOD).to(self.dtype)
 
@@ -758,34 +755,57 @@ class HybridBlockPool:
         A value depends on the token, its position, a signature of the whole prefix up to it,
         the group, layer, K/V, head and channel, so a block reused from a different prefix
         would not match. Mamba groups use the same per-position values (the "state after
-        position p").
+        position p"). Computed vectorised here, incrementally by the pool; both give the
+        same integers, hence the same values.
         """
         tokens = torch.tensor(_check_tokens(token_ids), dtype=torch.int64, device=self.device)
         if positions is None:
             pos = torch.arange(tokens.numel(), device=self.device)
         else:
             pos = torch.tensor(list(positions), dtype=torch.int64, device=self.device)
-        return self._values(tokens, pos, group)
+        every = torch.arange(tokens.numel(), device=self.device)
+        sig = torch.cumsum((tokens + 1) * (every % 251 + 1), 0) % _SIG_MOD
+        base = (tokens[pos] * 31 + pos * 7 + sig[pos] * 13) % _MOD
+        return self._finish(base, group)
 
-    def _write(self, req: Request, group: int, positions: list[int], blocks: list[int]) -> None:
-        if not positions:
+    def _base(self, req: Request, positions: list[int]) -> torch.Tensor:
+        """Per-position part of the KV values, from the request's running prefix sums."""
+        cum = req.cum
+        tokens = req.tokens
+        for p in range(len(cum), len(tokens)):
+            cum.append((cum[-1] if p else 0) + (tokens[p] + 1) * (p % 251 + 1))
+        vals = [(tokens[p] * 31 + p * 7 + (cum[p] % _SIG_MOD) * 13) % _MOD for p in positions]
+        return torch.tensor(vals, dtype=torch.int64, device=self.device)
+
+    def _write(self, req: Request, writes: dict[int, tuple[list[int], list[int]]]) -> None:
+        """Write ``{group: (positions, block ids)}``; the per-position part is shared."""
+        allpos = sorted({p for ps, _ in writes.values() for p in ps})
+        if not allpos:
             return
-        tokens = torch.tensor(req.tokens, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        ids = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        b = self.managers[group].block_size
-        self.kv[group][ids, :, :, pos % b] = self._values(tokens, pos, group)
+        base_all = self._base(req, allpos)
+        index = {p: i for i, p in enumerate(allpos)}
+        for g, (ps, bs) in writes.items():
+            if not ps:
+                continue
+            sel = torch.tensor([index[p] for p in ps], dtype=torch.int64, device=self.device)
+            ids = torch.tensor(bs, dtype=torch.int64, device=self.device)
+            offs = (
+                torch.tensor(ps, dtype=torch.int64, device=self.device)
+                % self.managers[g].block_size
+            )
+            self.kv[g][ids, :, :, offs] = self._finish(base_all[sel], g)
 
     def _write_positions(self, req: Request, positions: range) -> None:
+        writes: dict[int, tuple[list[int], list[int]]] = {}
         for gi, (m, st) in enumerate(zip(self.managers, req.groups, strict=True)):
             b = m.block_size
-            ps, bs = [], []
+            ps, bs = writes.setdefault(gi, ([], []))
             for p in positions:
                 bid = st.blocks[p // b]
                 if bid != NULL_BLOCK:
                     ps.append(p)
                     bs.append(bid)
-            self._write(req, gi, ps, bs)
+        self._write(req, writes)
 
     def compute_prefill(self, req_id: str) -> None:
         """Write the KV of the prompt positions admission did not hit; hit blocks are reused
@@ -804,8 +824,7 @@ class HybridBlockPool:
                 ps.append(p)
                 bs.append(bid)
         req.pending = []
-        for gi, (ps, bs) in per_group.items():
-            self._write(req, gi, ps, bs)
+        self._write(req, per_group)
 
     def kv_positions(self, req_id: str, group: int) -> list[int]:
         """Positions of the request the group holds a block for, in order."""
