@@ -129,7 +129,11 @@ class HitCheckError(RuntimeError):
 
 
 class ModelShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Per-group KV tensor shape: ``[num_blocks, layers, 2 (K, V), block_size, heads, dim]``."""
+    """Per-group KV tensor shape: ``[num_blocks, block_size, layers, 2 (K, V), heads, dim]``.
+
+    Block-then-slot major like vLLM's paged layout, so one token's KV is one flat slot
+    (``block * block_size + offset``) and writes/reads are a single index on dim 0.
+    """
 
     layers_per_group: int = 1
     kv_heads: int = 1
@@ -478,9 +482,9 @@ class HybridBlockPool:
             torch.zeros(
                 (
                     num_blocks,
+                    g.block_size,
                     shape.layers_per_group,
                     2,
-                    g.block_size,
                     shape.kv_heads,
                     shape.head_dim,
                 ),
@@ -768,8 +772,13 @@ class HybridBlockPool:
         base = (tokens[pos] * 31 + pos * 7 + sig[pos] * 13) % _MOD
         return self._finish(base, group)
 
+    def _slots(self, group: int) -> torch.Tensor:
+        """The group's KV as ``[num_blocks * block_size, layers, 2, heads, dim]`` (a view)."""
+        return self.kv[group].flatten(0, 1)
+
     def _base(self, req: Request, positions: list[int]) -> torch.Tensor:
-        """Per-position part of the KV values, from the request's running prefix sums."""
+        """Per-position part of the KV values, from the request's running prefix sums (cheap
+        for the few positions of a decode step)."""
         cum = req.cum
         tokens = req.tokens
         for p in range(len(cum), len(tokens)):
@@ -777,54 +786,58 @@ class HybridBlockPool:
         vals = [(tokens[p] * 31 + p * 7 + (cum[p] % _SIG_MOD) * 13) % _MOD for p in positions]
         return torch.tensor(vals, dtype=torch.int64, device=self.device)
 
-    def _write(self, req: Request, writes: dict[int, tuple[list[int], list[int]]]) -> None:
-        """Write ``{group: (positions, block ids)}``; the per-position part is shared."""
-        allpos = sorted({p for ps, _ in writes.values() for p in ps})
-        if not allpos:
-            return
-        base_all = self._base(req, allpos)
-        index = {p: i for i, p in enumerate(allpos)}
-        for g, (ps, bs) in writes.items():
-            if not ps:
-                continue
-            sel = torch.tensor([index[p] for p in ps], dtype=torch.int64, device=self.device)
-            ids = torch.tensor(bs, dtype=torch.int64, device=self.device)
-            offs = (
-                torch.tensor(ps, dtype=torch.int64, device=self.device)
-                % self.managers[g].block_size
-            )
-            self.kv[g][ids, :, :, offs] = self._finish(base_all[sel], g)
-
     def _write_positions(self, req: Request, positions: range) -> None:
-        writes: dict[int, tuple[list[int], list[int]]] = {}
+        """Decode: write the new positions wherever a group holds their block."""
+        base: torch.Tensor | None = None
         for gi, (m, st) in enumerate(zip(self.managers, req.groups, strict=True)):
             b = m.block_size
-            ps, bs = writes.setdefault(gi, ([], []))
+            ps, bs = [], []
             for p in positions:
                 bid = st.blocks[p // b]
                 if bid != NULL_BLOCK:
                     ps.append(p)
                     bs.append(bid)
-        self._write(req, writes)
+            if not ps:
+                continue
+            dev = self.device
+            if len(ps) == len(positions):
+                if base is None:
+                    base = self._base(req, list(positions))
+                vals = base
+            else:
+                vals = self._base(req, ps)
+            slots = torch.tensor(
+                [bid * b + p % b for p, bid in zip(ps, bs, strict=True)],
+                dtype=torch.int64,
+                device=dev,
+            )
+            self._slots(gi)[slots] = self._finish(vals, gi)
 
     def compute_prefill(self, req_id: str) -> None:
         """Write the KV of the prompt positions admission did not hit; hit blocks are reused
         untouched. Blocks allocated at admission and since re-allocated are skipped (their
         key was evicted with them, so nothing can read them)."""
         req = self.request(req_id)
-        n = req.num_prompt_tokens
-        per_group: dict[int, tuple[list[int], list[int]]] = {}
+        pending, req.pending = req.pending, []
         epoch = self.core.epoch
-        for gi, pos, bid, ep in req.pending:
-            if epoch[bid] != ep:
-                continue
+        live = [w for w in pending if epoch[w[2]] == w[3]]
+        if not live:
+            return
+        dev = self.device
+        n = req.num_prompt_tokens
+        tokens = torch.tensor(req.tokens[:n], dtype=torch.int64, device=dev)
+        every = torch.arange(n, device=dev)
+        sig = torch.cumsum((tokens + 1) * (every % 251 + 1), 0) % _SIG_MOD
+        base = (tokens * 31 + every * 7 + sig * 13) % _MOD
+        for gi in sorted({w[0] for w in live}):
             b = self.managers[gi].block_size
-            ps, bs = per_group.setdefault(gi, ([], []))
-            for p in range(max(req.hit, pos * b), min(n, (pos + 1) * b)):
-                ps.append(p)
-                bs.append(bid)
-        req.pending = []
-        self._write(req, per_group)
+            blocks = [(pos, bid) for g, pos, bid, _ in live if g == gi]
+            starts = torch.tensor([pos * b for pos, _ in blocks], dtype=torch.int64, device=dev)
+            ids = torch.tensor([bid for _, bid in blocks], dtype=torch.int64, device=dev)
+            p = (starts.view(-1, 1) + torch.arange(b, device=dev)).reshape(-1)
+            slots = (ids.view(-1, 1) * b + torch.arange(b, device=dev)).reshape(-1)
+            keep = (p >= req.hit) & (p < n)
+            self._slots(gi)[slots[keep]] = self._finish(base[p[keep]], gi)
 
     def kv_positions(self, req_id: str, group: int) -> list[int]:
         """Positions of the request the group holds a block for, in order."""
@@ -846,9 +859,8 @@ class HybridBlockPool:
         b = self.managers[group].block_size
         pos = self.kv_positions(req_id, group)
         blocks = req.groups[group].blocks
-        ids = torch.tensor([blocks[p // b] for p in pos], dtype=torch.int64, device=self.device)
-        offs = torch.tensor([p % b for p in pos], dtype=torch.int64, device=self.device)
-        return self.kv[group][ids, :, :, offs]
+        slots = [blocks[p // b] * b + p % b for p in pos]
+        return self._slots(group)[torch.tensor(slots, dtype=torch.int64, device=self.device)]
 
     def verify_kv(self, req_id: str) -> bool:
         """Every group's held KV equals a recomputation (reused blocks included)."""

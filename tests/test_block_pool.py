@@ -360,7 +360,8 @@ def test_reused_kv_equals_recomputation_and_corruption_is_caught() -> None:
         pool.expected_kv([*toks(1, 16), 7], 0)[16], pool.expected_kv([*toks(2, 16), 7], 0)[16]
     )
     hit_block = pool.request("b").groups[0].blocks[3]
-    pool.kv[0][hit_block, 0, 0, 5, 0, 0] += 1
+    assert pool.kv[0].shape == (128, 16, 2, 2, 2, 8)
+    pool.kv[0][hit_block, 5, 0, 1, 0, 0] += 1
     assert not pool.verify_kv("b")
 
 
