@@ -97,6 +97,7 @@ __all__ = [
     "HybridBlockPool",
     "KVEvent",
     "ModelShape",
+    "PoolInvariantError",
     "Request",
     "UnknownRequest",
     "UnsupportedLayout",
@@ -122,6 +123,10 @@ class UnknownRequest(KeyError):
 
 class DuplicateRequest(ValueError):
     """``admit`` was called with the id of a request that is still running."""
+
+
+class PoolInvariantError(RuntimeError):
+    """The pool's bookkeeping contradicts itself (a bug): see ``check_invariants``."""
 
 
 class HitCheckError(RuntimeError):
@@ -548,6 +553,48 @@ class HybridBlockPool:
     @property
     def running(self) -> list[str]:
         return list(self._requests)
+
+    def check_invariants(self) -> None:
+        """Raise :class:`PoolInvariantError` if the bookkeeping is inconsistent.
+
+        Checked: the null block is never free or cached; a block is in the free queue iff no
+        request holds it; its reference count equals the positions holding it; a block
+        belongs to one group at a time (its holders' and its key's); the prefix-cache map
+        and the blocks' keys agree. For tests and debugging (it walks every block).
+        """
+        core = self.core
+        fail = PoolInvariantError
+        if NULL_BLOCK in core.free_queue or core.key[NULL_BLOCK] is not None:
+            raise fail("the null block is free or cached")
+        holders = [0] * self.num_blocks
+        owner = [-1] * self.num_blocks
+        for req in self._requests.values():
+            for g, st in enumerate(req.groups):
+                for bid in st.blocks:
+                    if bid == NULL_BLOCK:
+                        continue
+                    holders[bid] += 1
+                    if owner[bid] not in (-1, g):
+                        raise fail(f"block {bid} is held by groups {owner[bid]} and {g}")
+                    owner[bid] = g
+        for bid in range(1, self.num_blocks):
+            if (bid in core.free_queue) != (core.ref[bid] == 0):
+                raise fail(f"block {bid}: ref {core.ref[bid]} but free={bid in core.free_queue}")
+            if core.ref[bid] != holders[bid]:
+                raise fail(f"block {bid}: ref {core.ref[bid]} but {holders[bid]} holders")
+            if core.key[bid] is not None:
+                g = core.key_group[bid]
+                if owner[bid] not in (-1, g):
+                    raise fail(f"block {bid} keyed in group {g} but held by {owner[bid]}")
+                if bid not in core.cache[g].get(core.key[bid], ()):
+                    raise fail(f"block {bid}'s key is missing from the cache map")
+        for g, table in enumerate(core.cache):
+            for wire, copies in table.items():
+                if not copies:
+                    raise fail(f"group {g}: empty copy list for {wire!r}")
+                for bid in copies:
+                    if core.key[bid] != wire or core.key_group[bid] != g:
+                        raise fail(f"group {g}: map says block {bid} holds {wire!r}")
 
     # ------------------------------------------------------------------ hits
 

@@ -11,7 +11,10 @@ What each kind does (spec §4.4, §4.7):
 - **Chunked local attention**: like full attention, but blocks before the current chunk's
   start are skipped (freed) as the request advances; caching is dense.
 - **Sliding window**: blocks whose tokens left the window of the next token to compute are
-  freed (``remove_skipped_blocks``: ``skipped = num_computed - window + 1``). Under the
+  freed (``remove_skipped_blocks``: ``skipped = num_computed - window + 1``). As in vLLM,
+  admission allocates a block for every prompt position from the hit on (a long prompt
+  briefly holds all of them, since one prefill step computes them all); the ones outside the
+  window are freed at the next step, before its allocation, tail first. Under the
   default ``prefix_cache_retention_interval = 0`` only the ``need = ceil((window-1)/B)``
   blocks ending at each reachable boundary are hashed (the block mask); ``None`` hashes the
   last ``need`` blocks before every ``A`` boundary, ``R > 0`` those before every ``R``

@@ -19,6 +19,7 @@ from gpu_emitter.block_pool import (  # noqa: E402
     DuplicateRequest,
     HybridBlockPool,
     ModelShape,
+    PoolInvariantError,
     UnknownRequest,
     UnsupportedLayout,
 )
@@ -452,3 +453,17 @@ def test_layout_loader_shapes_and_errors(tmp_path) -> None:
 def test_layouts_module_is_torch_free() -> None:
     code = "import sys, gpu_emitter, gpu_emitter.layouts; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_invariant_checker_catches_corruption() -> None:
+    pool = HybridBlockPool(FA_SWA, 64)
+    run(pool, "a", toks(1, 100))
+    pool.check_invariants()
+    bid = pool.request("a").groups[0].blocks[0]
+    pool.core.ref[bid] += 1
+    with pytest.raises(PoolInvariantError, match="holders"):
+        pool.check_invariants()
+    pool.core.ref[bid] -= 1
+    pool.request("a").groups[1].blocks[-1] = bid  # one block in two groups
+    with pytest.raises(PoolInvariantError):
+        pool.check_invariants()

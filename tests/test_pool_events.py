@@ -153,6 +153,7 @@ def drive(layout: ModelLayout, seed: int, steps: int, num_blocks: int) -> dict[s
         stats["removed"] += sum(type(e).__name__ == "BlockRemoved" for e in events)
         mirror.apply(events)
         assert trusted(KEY), mirror.index.untrusted_reason(KEY)
+        pool.check_invariants()
         for g in range(len(layout.groups)):
             assert mirror.state(g) == pool.cached_keys(g), (seed, step, g)
     for rid in list(running):
