@@ -128,7 +128,13 @@ class Policy(Protocol):
     name: str
     needs_blind: bool
 
-    def choose(self, num_tokens: int, candidates: Sequence[Candidate]) -> Decision: ...
+    def choose(
+        self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
+    ) -> Decision:
+        """Rank the candidates. ``commit=False`` (explain) leaves the policy's state -- the
+        round-robin position, the tie-break RNG -- as it was, so asking never changes what
+        the next real request gets."""
+        ...
 
 
 def _queued(c: Candidate, cfg: PolicyConfig) -> float:
@@ -157,9 +163,15 @@ class _CostPolicy:
     def score(self, num_tokens: int, c: Candidate) -> Scored:
         raise NotImplementedError
 
-    def choose(self, num_tokens: int, candidates: Sequence[Candidate]) -> Decision:
+    def choose(
+        self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
+    ) -> Decision:
         if not candidates:
             raise NoCandidates("no replica can take the request: undrain or add a replica")
+        rng = self.rng
+        if not commit:
+            rng = random.Random()
+            rng.setstate(self.rng.getstate())
         scored = sorted(
             (self.score(num_tokens, c) for c in candidates), key=lambda s: (s.cost, s.key)
         )
@@ -171,9 +183,9 @@ class _CostPolicy:
         temp = self.cfg.temperature
         if temp > 0 and len(scored) > 1:
             weights = [math.exp(-(s.cost - best) / temp) for s in scored]
-            pick = self.rng.choices(range(len(scored)), weights=weights)[0]
+            pick = rng.choices(range(len(scored)), weights=weights)[0]
         elif n_tied > 1:
-            pick = self.rng.randrange(n_tied)
+            pick = rng.randrange(n_tied)
         else:
             pick = 0
         if pick:
@@ -234,12 +246,15 @@ class RoundRobinPolicy:
     def __init__(self, cfg: PolicyConfig | None = None, rng: random.Random | None = None) -> None:
         self._next = 0
 
-    def choose(self, num_tokens: int, candidates: Sequence[Candidate]) -> Decision:
+    def choose(
+        self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
+    ) -> Decision:
         if not candidates:
             raise NoCandidates("no replica can take the request: undrain or add a replica")
         order = sorted(candidates, key=lambda c: c.key)
         i = self._next % len(order)
-        self._next += 1
+        if commit:
+            self._next += 1
         rot = order[i:] + order[:i]
         ranked = tuple(
             Scored(c.key, float(j), c.hit_tokens if c.trusted else 0, 0.0, 0.0, 0.0, 0.0)

@@ -255,9 +255,11 @@ class PoolState:
         pred = None
         if token_ids:
             pred = self.predict(token_ids, body, explain)
-            decision = self.policy.choose(len(token_ids), self.candidates(pred, exclude))
+            decision = self.policy.choose(
+                len(token_ids), self.candidates(pred, exclude), commit=not explain
+            )
         else:
-            decision = self.fallback.choose(0, self.candidates(None, exclude))
+            decision = self.fallback.choose(0, self.candidates(None, exclude), commit=not explain)
         return RouteChoice(
             self, decision, pred, len(token_ids) if token_ids else 0, token_ids, reason
         )

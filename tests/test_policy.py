@@ -184,3 +184,24 @@ def test_least_load_ignores_hits() -> None:
 def test_no_candidates_is_a_typed_error(name: str) -> None:
     with pytest.raises(NoCandidates, match="undrain"):
         make_policy(PolicyConfig(name=name)).choose(N, [])
+
+
+def test_explaining_does_not_move_the_policy() -> None:
+    """An explain call (commit=False) must not change what the next request gets."""
+    cands = [
+        Candidate(key=(k, 0), hit_tokens=0, fa_prefix_tokens=0, tier_hits={}, blind_hit_tokens=0,
+                  trusted=True, in_flight=0, pending_prefill_tokens=0, running=None,
+                  waiting=None, kv_usage=None)
+        for k in "abc"
+    ]  # fmt: skip
+    rr = make_policy(PolicyConfig(name="round_robin"))
+    firsts = []
+    for _ in range(4):
+        peek = rr.choose(N, cands, commit=False).chosen.key
+        real = rr.choose(N, cands).chosen.key
+        assert peek == real
+        firsts.append(real)
+    assert firsts == [("a", 0), ("b", 0), ("c", 0), ("a", 0)]
+    kv = KVCostPolicy(rng=random.Random(5))
+    for _ in range(20):  # all tied: the pick comes from the RNG
+        assert kv.choose(N, cands, commit=False).chosen.key == kv.choose(N, cands).chosen.key
