@@ -44,17 +44,18 @@ Without a hook, drain :meth:`HybridBlockPool.take_events` once per step and publ
 
 Modelling choices that differ from vLLM (none changes which hashes exist or a hit):
 
-- A prompt is prefilled in one scheduling step (no chunked prefill). With a Mamba group
-  vLLM's align mode splits the prefill so that a step ends at every checkpoint (and, for
-  ``R > 0``, at every ``R`` boundary); :meth:`HybridBlockPool.admit` runs those steps back to
-  back, so its events may hold several ``BlockStored`` per group, all in one batch.
+- A prompt is prefilled in one scheduling step unless ``prefill_chunk`` is set. With a Mamba
+  group vLLM's align mode also ends a step at every checkpoint (and, for ``R > 0``, at every
+  ``R`` boundary). :meth:`HybridBlockPool.admit` runs all those steps back to back, so its
+  events may hold several ``BlockStored`` per group, all in one batch (vLLM spreads them over
+  engine steps, interleaved with other requests).
 - Admission is all-or-nothing and checks the blocks of all its steps at once, not crediting
   blocks freed between them (conservative: it may keep a request waiting that vLLM would
   start). A decode step that cannot get a block changes nothing (vLLM would still free the
   out-of-window blocks first; frees emit no event).
 - The prefix-cache map is keyed by the wire hash (vLLM keys by the full digest); with uint64
   wire hashes two distinct digests could in principle collide.
-- Not modelled: chunked prefill, EAGLE groups, partial-hash-hit layouts and full-attention
+- Not modelled: EAGLE groups, partial-hash-hit layouts and full-attention
   partial tail entries (rejected or absent; they never change a non-partial hit),
   preemption, KV connectors, ``kv_cache_report_mode="full"``.
 """
@@ -436,6 +437,9 @@ class HybridBlockPool:
         hook: receives every event as it is produced (e.g. a
             :class:`gpu_emitter.hook.PublisherHook`).
         queue_events: also keep events for :meth:`take_events`; default: only without a hook.
+        prefill_chunk: vLLM's chunked-prefill budget (tokens per step for one long prompt):
+            admission then runs one scheduling step per chunk, so its events split as
+            vLLM's do. None: the whole prompt in one step.
     """
 
     def __init__(
@@ -448,6 +452,7 @@ class HybridBlockPool:
         max_hit_check: bool = False,
         hook: EventHook | None = None,
         queue_events: bool | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         if type(num_blocks) is not int or num_blocks < 2:
             raise ValueError(
@@ -470,6 +475,9 @@ class HybridBlockPool:
             for gi, g in enumerate(layout.groups)
         ]
         self._mamba = any(isinstance(m, MambaManager) for m in self.managers)
+        if prefill_chunk is not None and (type(prefill_chunk) is not int or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         self._requests: dict[str, Request] = {}
 
         self.shape = shape
@@ -657,14 +665,20 @@ class HybridBlockPool:
     # ------------------------------------------------------------------ admission
 
     def _step_ends(self, n: int, hit: int, reachable: frozenset[int]) -> list[int]:
-        """Ends of the scheduling steps of a prefill: one step, except that Mamba's align
-        mode ends a step at every checkpoint (and every retention boundary)."""
-        if not self._mamba:
-            return [n]
-        cuts = set(reachable)
-        r = self.layout.retention_interval
-        if r:
-            cuts.update(range(r, n, r))
+        """Ends of the scheduling steps of a prefill: one step per ``prefill_chunk`` (or one
+        in all); Mamba's align mode also ends a step at every checkpoint (and every retention
+        boundary) and rounds chunk ends down to its block size."""
+        cuts: set[int] = set()
+        chunk = self.prefill_chunk
+        if chunk is not None:
+            cuts.update(range(hit + chunk, n, chunk))
+        if self._mamba:
+            b = self.resolved.scheduler_block_size
+            cuts = {c // b * b for c in cuts}
+            cuts.update(reachable)
+            r = self.layout.retention_interval
+            if r:
+                cuts.update(range(r, n, r))
         return [c for c in sorted(cuts) if hit < c < n] + [n]
 
     def admit(

@@ -9,13 +9,16 @@ over real ZeroMQ sockets through :class:`PublisherHook` and :class:`EventPublish
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
+import msgspec
 import pytest
 
 pytest.importorskip("torch")
 
+from shared_paths import GOLDEN, require
 from zmq_helpers import LOOPBACK, SyncHarness, publish_until, wait_for
 
 from events.publisher import EventPublisher
@@ -47,7 +50,11 @@ LAYOUTS = {
     "fa_swa_dense": ModelLayout(groups=(FA, SWA64), retention_interval=None),
     "fa_swa_r64": ModelLayout(groups=(FA, SWA48), retention_interval=64),
     "fa_mamba_r64": ModelLayout(groups=(FA, MAMBA), retention_interval=64),
+    "fa_swa_chunk48": ModelLayout(groups=(FA, SWA64)),
+    "fa_mamba_chunk48": ModelLayout(groups=(FA, MAMBA)),
 }
+#: Chunked-prefill budget per layout (None: whole prompt in one step).
+CHUNK = {"fa_swa_chunk48": 48, "fa_mamba_chunk48": 48}
 KEY = ("replica", 0)
 
 
@@ -78,11 +85,13 @@ class Mirror:
         return {h: self.index.copies(KEY, group, h) for h, m in table.items() if m & bit}
 
 
-def drive(layout: ModelLayout, seed: int, steps: int, num_blocks: int) -> dict[str, int]:
+def drive(
+    layout: ModelLayout, seed: int, steps: int, num_blocks: int, chunk: int | None = None
+) -> dict[str, int]:
     """A random multi-request workload; checks prediction == pool at every admission and the
     index state == pool state after every step. Returns counters showing what it covered."""
     rng = random.Random(seed)
-    pool = HybridBlockPool(layout, num_blocks, max_hit_check=True)
+    pool = HybridBlockPool(layout, num_blocks, max_hit_check=True, prefill_chunk=chunk)
     mirror = Mirror(layout)
     trusted = mirror.index.is_trusted
 
@@ -165,7 +174,7 @@ def drive(layout: ModelLayout, seed: int, steps: int, num_blocks: int) -> dict[s
 @pytest.mark.parametrize("seed", [1, 2])
 def test_index_fed_with_pool_events_predicts_pool_hits(name: str, seed: int) -> None:
     layout = LAYOUTS[name]
-    stats = drive(layout, seed, steps=120, num_blocks=1 + 70 * len(layout.groups))
+    stats = drive(layout, seed, 120, 1 + 70 * len(layout.groups), CHUNK.get(name))
     # The workload must have exercised hits, evictions and refusals-free admission.
     assert stats["admitted"] > 100 and stats["hits"] > 10 and stats["removed"] > 0, stats
 
@@ -253,3 +262,35 @@ def test_pool_events_over_real_zmq_predict_pool_hits(legacy: bool) -> None:
             assert any(pool.find_hit(t).hit_tokens for t in prompts)
     finally:
         pub.close()
+
+
+# --------------------------------------------------------------------------- real vLLM parity
+
+
+def test_first_prefill_events_equal_real_vllm_golden_recording() -> None:
+    """The golden recording's replicas start empty, so their first request's events depend
+    on nothing but the rules: a pool with that model's layout and vLLM's 512-token chunked
+    prefill must produce them exactly (both chunks, both groups, every field)."""
+    root = require(GOLDEN)
+    layout = ModelLayout(
+        groups=(
+            GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=32, sliding_window=64),
+            GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=32),
+        )
+    )
+    requests = [json.loads(line) for line in (root / "requests.jsonl").open()]
+    for replica in ("A", "B"):
+        first = next(r for r in requests if r["replica"] == replica)
+        assert first["batches_before"] == 0 and first["cached_tokens"] == 0
+        nxt = next(r for r in requests if r["replica"] == replica and r is not first)
+        golden = [
+            json.loads(line)
+            for line in (root / f"events-{replica}.jsonl").open()
+            if json.loads(line)["seq"] < nxt["batches_before"]
+        ]
+        pool = HybridBlockPool(layout, 160, prefill_chunk=512)
+        assert pool.admit("r", first["prompt_token_ids"]) == 0
+        ours = [msgspec.json.decode(msgspec.json.encode(e)) for e in pool.take_events()]
+        assert len(ours) == 4  # two chunks (two steps) x two groups
+        assert ours == [g["event"] for g in golden[:4]]
+        assert [g["seq"] for g in golden[:4]] == [0, 0, 1, 1]
