@@ -102,9 +102,14 @@ class ModelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hash: HashSettings = HashSettings()
     prefix_match_unit: int | None = None
     """``--prefix-match-unit``; None lets vLLM derive ``hash_block_size``."""
-    retention_interval: int | None = 0
+    retention_interval: int | Literal["none"] | None = 0
     """``--prefix-cache-retention-interval``: 0 (vLLM's default) caches SWA/Mamba checkpoints
-    only, ``None`` densely, ``R > 0`` every R tokens plus checkpoints (§4.7)."""
+    only, ``None`` densely, ``R > 0`` every R tokens plus checkpoints (§4.7). TOML has no null,
+    so files write ``"none"`` for None; it reads back as None."""
+
+    def __post_init__(self) -> None:
+        if self.retention_interval == "none":
+            msgspec.structs.force_setattr(self, "retention_interval", None)
 
 
 @dataclass(frozen=True, slots=True)

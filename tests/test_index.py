@@ -312,3 +312,12 @@ def test_lazily_decoded_stores_apply_and_conform_like_eager_ones() -> None:
     assert seen == [ev.token_ids]  # the conformance check decoded the tokens on demand
     assert not present(index, A, 0, 100) and present(index, A, 0, 101)
     assert index.is_trusted(A)
+
+
+def test_layout_files_write_none_retention_as_a_string() -> None:
+    import msgspec
+
+    text = b'retention_interval = "none"\n[[groups]]\nkind = "full_attention"\nblock_size = 16\n'
+    assert msgspec.toml.decode(text, type=ModelLayout).retention_interval is None
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.toml.decode(b'retention_interval = "dense"\ngroups = []\n', type=ModelLayout)

@@ -117,3 +117,68 @@ def test_predictions_equal_cached_tokens_and_swa_only_eviction_is_seen(stack) ->
                 assert r["limiting_group"] == "sliding_window[0]"
                 seen = True
     assert seen, "no sliding-window-only eviction observed"
+
+
+def test_wire_check_tail_decodes_everything_and_replay_from_zero_matches_live(stack) -> None:
+    import json
+    import struct
+
+    import zmq
+
+    from bench.real_vllm.exactness import words
+    from events.schema import decode_batch
+    from events.stream import StreamBatch, StreamSpec
+    from events.subscriber import Subscriber
+
+    fleet, _, _ = stack
+    rep = fleet.replicas[0]
+    rng = random.Random(11)
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "events", "tail", rep.events_endpoint,
+         "--replay-endpoint", rep.replay_endpoint, "--json", "--count", "30", "--timeout", "90"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    live: dict[int, list] = {}
+    with Subscriber([StreamSpec("a", rep.events_endpoint)]) as sub:
+        deadline = time.monotonic() + 90
+        while tail.poll() is None or len(live) < 3:
+            assert time.monotonic() < deadline, "no events from the replica"
+            httpx.post(
+                f"{rep.url}/v1/completions",
+                json={"model": MODEL, "prompt": [2, *words(rng, 300)], "max_tokens": 2},
+                timeout=60,
+            ).raise_for_status()
+            while (item := sub.get(timeout=0.5)) is not None:
+                assert type(item) is StreamBatch, item  # no gap, reset or malformed signal
+                live[item.seq] = item.batch.events
+        assert sub.stats()["a"].malformed == 0 and sub.stats()["a"].unknown_events == 0
+    out, err = tail.communicate(timeout=30)
+    assert tail.returncode == 0, err
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert len(lines) == 30
+    assert all("signal" not in x for x in lines), [x for x in lines if "signal" in x]
+    assert {x["type"] for x in lines} <= {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+
+    # Replay from seq 0 over a DEALER returns, for every seq seen live, the same events.
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(rep.replay_endpoint)
+    seq8 = struct.Struct(">Q")
+    try:
+        dealer.send_multipart([b"", seq8.pack(0)])
+        replayed: dict[int, list] = {}
+        while True:
+            assert dealer.poll(30_000), "replay did not end"
+            _, _topic, seq, payload = dealer.recv_multipart()
+            if seq == b"\xff" * 8:
+                break
+            replayed[seq8.unpack(seq)[0]] = decode_batch(payload).events
+    finally:
+        dealer.close(0)
+    assert min(replayed) == 0
+    assert sorted(replayed) == list(range(len(replayed)))
+    common = set(live) & set(replayed)
+    assert common
+    assert all(replayed[s] == live[s] for s in common)

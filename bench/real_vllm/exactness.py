@@ -38,7 +38,7 @@ import msgspec
 
 from bench.real_vllm.model import word
 from bench.real_vllm.replicas import VllmFleet
-from events.schema import BlockRemoved
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from events.stream import StreamBatch, StreamSpec
 from events.subscriber import Subscriber
 from router.index import KVIndex
@@ -87,7 +87,7 @@ class EventView:
                     rec["token_ids"] = ev.tokens() if hasattr(ev, "tokens") else None
                     rec = {k: v for k, v in rec.items() if v is not None or k in _ALWAYS}
                     rec["type"] = type(ev).__name__.replace("LazyTokens", "")
-                    line = msgspec.json.encode({"seq": item.seq, "event": rec})
+                    line = msgspec.json.encode({"seq": item.seq, "ts": item.batch.ts, "event": rec})
                     self.recorded[item.stream].append(line)
                 key = (item.stream, 0)
                 bit = self.index.slot_bit(key)
@@ -130,6 +130,7 @@ class EventView:
                 rec = {"i": row.i, "replica": row.replica, "kind": row.kind}
                 rec |= {"batches_before": row.batches_before, "prompt_token_ids": ids}
                 rec["cached_tokens"] = row.actual
+                rec |= {"predicted": row.predicted, "predicted_at": row.predicted_at}
                 f.write(json.dumps(rec) + "\n")
 
 
@@ -190,6 +191,8 @@ class Row:
     parity: bool
     other_inflight: int = 0
     batches_before: int = 0
+    predicted_at: float = 0.0
+    cause: str | None = None
 
 
 @dataclass
@@ -210,6 +213,8 @@ class Report:
     conformance_checked: int = 0
     conformance_mismatches: int = 0
     misses: list[dict] = field(default_factory=list)
+    causes: dict[str, int] = field(default_factory=dict)
+    stream: dict[str, dict] = field(default_factory=dict)
 
 
 def send(client: httpx.Client, url: str, req: Req) -> tuple[int, list[int], list[int]]:
@@ -255,6 +260,7 @@ def run(args: argparse.Namespace) -> Report:
                 replica = rng.choice(sorted(urls))
                 if args.concurrency == 1:
                     view.settle()
+                predicted_at = time.time()
                 hits, received = view.predict(ids)
                 pred, blind = hits[replica]
                 with lock:
@@ -279,6 +285,7 @@ def run(args: argparse.Namespace) -> Report:
                     vllm_ids == ids,
                     others,
                     received[replica],
+                    predicted_at,
                 )
 
             reqs = workload(rng, args.requests, history)
@@ -296,9 +303,16 @@ def run(args: argparse.Namespace) -> Report:
             elapsed = time.monotonic() - t0
             view.settle(0.5)
             stats = view.index.stats()
-            if args.record is not None:
-                view.write_recording(args.record, rows, [prompts[r.i] for r in rows])
-                print(f"  recording: {args.record} (kvrouter replay can read it)", file=sys.stderr)
+            record = args.record or fleet.workdir / "recording"
+            view.write_recording(record, rows, [prompts[r.i] for r in rows])
+            print(f"  recording: {record} (kvrouter replay can read it)", file=sys.stderr)
+            sub_stats = view.sub.stats()
+    classify(record, rows)
+    report.causes = {}
+    for r in rows:
+        if r.cause is not None:
+            report.causes[r.cause] = report.causes.get(r.cause, 0) + 1
+    report.stream = {name: msgspec.to_builtins(st) for name, st in sub_stats.items()}
     report.requests = len(rows)
     errs = [r.predicted - r.actual for r in rows]
     berrs = [r.blind - r.actual for r in rows]
@@ -319,6 +333,57 @@ def run(args: argparse.Namespace) -> Report:
     return report
 
 
+def classify(directory: Path, rows: list[Row]) -> None:
+    """Explain every miss from the recording (sets ``row.cause``).
+
+    Replays each replica's batches past what the prediction saw, one at a time, until the
+    prediction equals what vLLM reported. If that happens within batches the replica had
+    already *published* when the prediction was made (batch ``ts`` earlier), the events were
+    simply not received yet; if it takes later batches, the cache changed between prediction
+    and admission: blocks evicted (prediction too high) or stored by a request in flight
+    (too low). Otherwise the miss stays unexplained -- a bug to find.
+    """
+    streams: dict[str, list[tuple[int, float, list]]] = {}
+    for path in directory.glob("events-*.jsonl"):
+        batches: list[tuple[int, float, list]] = []
+        for line in path.read_bytes().splitlines():
+            rec = msgspec.json.decode(line)
+            ev = msgspec.convert(rec["event"], BlockStored | BlockRemoved | AllBlocksCleared)
+            if batches and batches[-1][0] == rec["seq"]:
+                batches[-1][2].append(ev)
+            else:
+                batches.append((rec["seq"], rec.get("ts", 0.0), [ev]))
+        streams[path.stem.removeprefix("events-")] = batches
+    prompts = {}
+    for line in (directory / "requests.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        prompts[rec["i"]] = rec["prompt_token_ids"]
+    for row in rows:
+        if row.predicted == row.actual:
+            continue
+        index = KVIndex(ModelLayout(groups=()), pool="classify")
+        key = index.add_replica(row.replica)
+        predictor = Predictor(index)
+        batches = streams[row.replica]
+        pos = 0
+        while pos < len(batches) and batches[pos][0] < row.batches_before:
+            index.apply_events(key, batches[pos][2])
+            pos += 1
+        row.cause = "unexplained"
+        while pos < len(batches):
+            _seq, ts, events = batches[pos]
+            index.apply_events(key, events)
+            pos += 1
+            if predictor.predict(prompts[row.i]).replicas[0].hit_tokens == row.actual:
+                if ts <= row.predicted_at:
+                    row.cause = "events not yet received"
+                elif row.predicted > row.actual:
+                    row.cause = "evicted between prediction and admission"
+                else:
+                    row.cause = "stored by a request in flight"
+                break
+
+
 def print_report(r: Report) -> None:
     n = max(1, r.requests)
     print(f"\nreal vLLM exactness: {r.mode}, retention interval {r.retention_interval or 0}")
@@ -337,6 +402,14 @@ def print_report(r: Report) -> None:
         f"seen {r.swa_only_evictions}; tokenizer parity failures {r.tokenizer_parity_failures}; "
         f"hash conformance {r.conformance_checked} checked, {r.conformance_mismatches} bad"
     )
+    if r.causes:
+        print("misses by cause: " + ", ".join(f"{k}: {v}" for k, v in sorted(r.causes.items())))
+    for name, st in sorted(r.stream.items()):
+        print(
+            f"stream {name}: {st['batches']} batches, gaps {st['gaps']}, replayed "
+            f"{st['replayed_batches']}, unrecoverable {st['unrecoverable_gaps']}, resets "
+            f"{st['resets']}, malformed {st['malformed']}, max lag {1e3 * st['max_lag_s']:.1f} ms"
+        )
 
 
 def main() -> int:
