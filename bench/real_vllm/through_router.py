@@ -175,7 +175,7 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
             history: list[tuple[list[int], list[int]]] = []
             errs, berrs, ttfts = [], [], []
             for i, req in enumerate(workload(rng, args.requests, history)):
-                settle(admin)
+                settle(admin, args.quiet)
                 ask = (
                     {"messages": req.messages}
                     if req.messages is not None
@@ -225,6 +225,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--retention-interval", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quiet", type=float, default=0.5, help="seconds without events first")
     ap.add_argument("--base-port", type=int, default=18300)
     ap.add_argument("--out", type=Path, default=Path("bench/results/real_vllm_routing.json"))
     args = ap.parse_args()
@@ -238,7 +239,9 @@ def main() -> int:
               f"{100 * r.reuse:>6.1f}% {r.mean_ttft_ms:>8.1f}ms {r.p90_ttft_ms:>7.1f}ms  "
               f"{r.per_replica}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    old = json.loads(args.out.read_text()) if args.out.exists() else {}
+    old[f"seed={args.seed} retention={args.retention_interval or 0}"] = [asdict(r) for r in results]
+    args.out.write_text(json.dumps(old, indent=2))
     print(f"JSON: {args.out}")
     return 0
 
