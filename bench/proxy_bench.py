@@ -76,7 +76,9 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=Fals
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    # An explicit TCP socket (proto IPPROTO_TCP): asyncio only sets TCP_NODELAY on sockets
+    # whose proto says TCP, and a 0-proto listener would stall small writes ~40 ms.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

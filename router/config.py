@@ -172,8 +172,11 @@ class ReplicaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"replica name {self.name!r}: use letters, digits, '.', '_', '-'")
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url {self.url!r} must start with http:// or https://")
+        if not self.url.startswith("http://"):
+            raise ValueError(
+                f"url {self.url!r} must start with http:// (the proxy speaks plain HTTP/1.1 "
+                "to replicas, like vLLM serves; terminate TLS in front of the router)"
+            )
         if self.streams and self.event_endpoint:
             raise ValueError("give either event_endpoint (+ dp_ranks) or streams, not both")
         if not self.dp_ranks or any(r < 0 for r in self.dp_ranks):

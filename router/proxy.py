@@ -25,8 +25,9 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import msgspec
+
+from router.upstream import UpstreamError
 
 if TYPE_CHECKING:
     from router.service import ReplicaState, RouteChoice, RouterState
@@ -50,7 +51,11 @@ HOP_BY_HOP = frozenset(
         b"content-length",
     }
 )
-_DROP_DOWN = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
+# Upstream response headers not forwarded: hop-by-hop, framing (the server frames anew), and
+# date/server, which the router's HTTP server adds itself (no duplicates).
+_DROP_DOWN = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server"}
+)
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.encode
@@ -230,19 +235,14 @@ class Proxy:
         first = True
         status = 0
         try:
-            client = rep.client
-            req = client.build_request("POST", url, content=raw, headers=headers)
             try:
-                resp = await client.send(req, stream=True)
-            except httpx.HTTPError as exc:
-                raise _Upstream(f"{type(exc).__name__}: {exc}") from None
+                resp = await rep.upstream.post(url, raw, headers)
+            except UpstreamError as exc:
+                raise _Upstream(str(exc)) from None
             try:
-                status = resp.status_code
+                status = resp.status
                 out_headers = [
-                    (k, v)
-                    for k, v in resp.headers.raw
-                    if k.decode("latin-1").lower() not in _DROP_DOWN
-                    and k.lower() != b"x-request-id"
+                    (k, v) for k, v in resp.headers if k not in _DROP_DOWN and k != b"x-request-id"
                 ]
                 out_headers += [
                     (b"x-request-id", request_id),
@@ -252,9 +252,9 @@ class Proxy:
                 is_sse = stream and status == 200
                 if not is_sse:
                     try:
-                        data = await resp.aread()
-                    except httpx.HTTPError as exc:
-                        raise _Upstream(f"{type(exc).__name__} reading the body: {exc}") from None
+                        data = await resp.read()
+                    except UpstreamError as exc:
+                        raise _Upstream(f"reading the body: {exc}") from None
                     if status >= 500:
                         raise _Upstream(
                             f"HTTP {status}",
@@ -262,12 +262,9 @@ class Proxy:
                         )
                     self._release_pending(rep, rank, pending)
                     pending = 0
+                    out_headers.append(_clen(data))
                     await send(
-                        {
-                            "type": "http.response.start",
-                            "status": status,
-                            "headers": [*out_headers, _clen(data)],
-                        }
+                        {"type": "http.response.start", "status": status, "headers": out_headers}
                     )
                     await send({"type": "http.response.body", "body": data})
                     first = False
@@ -275,11 +272,8 @@ class Proxy:
                         self._check(choice, key, label, data, request_id)
                     return
                 tail = b""
-                it = resp.aiter_raw()
                 try:
-                    async for chunk in it:
-                        if not chunk:
-                            continue
+                    async for chunk in resp:
                         if first:
                             self._release_pending(rep, rank, pending)
                             pending = 0
@@ -293,11 +287,11 @@ class Proxy:
                             first = False
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         tail = (tail + chunk)[-_TAIL:]
-                except httpx.HTTPError as exc:
+                except UpstreamError as exc:
                     if first:
-                        raise _Upstream(f"{type(exc).__name__}: {exc}") from None
+                        raise _Upstream(str(exc)) from None
                     err = _error_body(
-                        f"replica {label} failed mid-stream: {type(exc).__name__}",
+                        f"replica {label} failed mid-stream: {exc}",
                         "BadGatewayError",
                         502,
                     )
