@@ -15,6 +15,10 @@ Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it cos
 * **Prediction error loop.** When the response carries
   ``usage.prompt_tokens_details.cached_tokens`` it is compared with the prediction for the
   chosen replica: metrics per replica, and mismatches kept for ``GET /admin/mismatches``.
+  The hot path predicts without per-group hits (they cost extra probes), so on a mismatch the
+  prediction is explained once more for that replica: its ``spec_group_hits`` fill the logged
+  row, and the whole re-explained row is kept as ``explained_at_detection`` (computed when the
+  response came back: the index may hold this request's own blocks by then).
 """
 
 from __future__ import annotations
@@ -355,6 +359,20 @@ class Proxy:
         row = next(
             (r for r in pred.as_dict()["replicas"] if (r["replica"], r["dp_rank"]) == key), {}
         )
+        explained = None
+        if choice.token_ids and choice.body is not None:
+            # The hot path predicts without explain (per-group hits cost extra probes); a
+            # mismatch is rare, so the per-group hits are recomputed for this replica now.
+            # The index may have moved since routing (this request's own stores included).
+            try:
+                again = choice.pool.predict(
+                    choice.token_ids, choice.body, explain=True, replicas=[key]
+                )
+                explained = again.as_dict()["replicas"][0]
+                if "spec_group_hits" in explained and row:
+                    row = {**row, "spec_group_hits": explained["spec_group_hits"]}
+            except Exception:  # the replica was removed meanwhile: keep the rest
+                log.debug("could not re-explain a mismatch on %s", label, exc_info=True)
         self.state.record_mismatch(
             {
                 "time": time.time(),
@@ -366,6 +384,7 @@ class Proxy:
                 "cached_tokens": actual,
                 "error": actual - predicted,
                 "prediction": row,
+                "explained_at_detection": explained,
             }
         )
 

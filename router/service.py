@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from events.stream import StreamSpec, StreamStats
 from events.subscriber import AsyncSubscriber
 from router.config import PoolConfig, ReplicaConfig, RouterConfig, is_loopback
+from router.hashing import RequestKeys
 from router.index import IndexLimits, KVIndex, ReplicaKey
 from router.ingest import IndexFeeder
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -100,6 +101,8 @@ class RouteChoice:
     num_tokens: int
     token_ids: list[int] | None
     reason: str | None
+    body: dict[str, Any] | None = None
+    """The request body (cache salt, prompt_logprobs: what an explained re-prediction needs)."""
 
 
 class PoolState:
@@ -230,9 +233,14 @@ class PoolState:
                 )
         return out
 
-    def predict(self, token_ids: list[int], body: dict[str, Any], explain: bool = False):
-        from router.hashing import RequestKeys
-
+    def predict(
+        self,
+        token_ids: list[int],
+        body: dict[str, Any],
+        explain: bool = False,
+        replicas: list[ReplicaKey] | None = None,
+    ) -> Prediction:
+        """The events-only prediction for every replica (or ``replicas``)."""
         salt = body.get("cache_salt")
         keys = RequestKeys(cache_salt=salt) if isinstance(salt, str) and salt else None
         return self.predictor.predict(
@@ -240,6 +248,7 @@ class PoolState:
             keys,
             skip_reading=body.get("prompt_logprobs") is not None
             or bool(body.get("skip_reading_prefix_cache")),
+            replicas=replicas,
             explain=explain,
             blind=explain or self.policy.needs_blind,
         )
@@ -262,7 +271,7 @@ class PoolState:
         else:
             decision = self.fallback.choose(0, self.candidates(None, exclude), commit=not explain)
         return RouteChoice(
-            self, decision, pred, len(token_ids) if token_ids else 0, token_ids, reason
+            self, decision, pred, len(token_ids) if token_ids else 0, token_ids, reason, body
         )
 
 

@@ -262,3 +262,9 @@ def test_prediction_mismatch_is_recorded(cluster: Cluster) -> None:
     mm = cluster.http.get("/admin/mismatches", headers=cluster.admin).json()["mismatches"]
     assert mm and mm[-1]["error"] == 16 and mm[-1]["replica"] == r.headers["x-kvrouter-replica"]
     assert mm[-1]["prediction"]["hit_tokens"] == mm[-1]["predicted"]
+    # per-group hits, recomputed for that replica when the mismatch was seen (not empty)
+    groups = mm[-1]["prediction"]["spec_group_hits"]
+    assert set(groups) == {"full_attention[0]", "sliding_window[1]"}, groups
+    again = mm[-1]["explained_at_detection"]
+    assert again["replica"] == r.headers["x-kvrouter-replica"]
+    assert again["spec_group_hits"] == groups
