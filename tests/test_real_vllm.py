@@ -14,9 +14,7 @@ and floods that evict sliding-window blocks) and checks, for each, that the pred
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -33,59 +31,22 @@ TOKEN = "test-token"
 @pytest.fixture(scope="module")
 def stack():
     from bench.real_vllm.replicas import VllmFleet
-    from bench.real_vllm.through_router import router_config
+    from bench.real_vllm.through_router import router_process
 
-    fleet = VllmFleet(2, base_port=18500)
-    with fleet:
-        cfg = fleet.workdir / "router.toml"
-        port = 18590
-        cfg.write_text(router_config(fleet, "kv", port, None))
-        log = (fleet.workdir / "router.log").open("wb")
-        router = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
-            env={**os.environ, "KVROUTER_ADMIN_TOKEN": TOKEN},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        base = f"http://127.0.0.1:{port}"
-        client = httpx.Client(base_url=base, timeout=120)
-        admin = httpx.Client(
-            base_url=base, headers={"authorization": f"Bearer {TOKEN}"}, timeout=60
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert router.poll() is None, (fleet.workdir / "router.log").read_text()
-                assert time.monotonic() < deadline, "kvrouter serve did not become healthy"
-                time.sleep(0.2)
-            yield fleet, client, admin
-        finally:
-            os.killpg(router.pid, signal.SIGTERM)
-            router.wait(timeout=30)
-            log.close()
-            client.close()
-            admin.close()
+    with (
+        VllmFleet(2, base_port=18500) as fleet,
+        router_process(fleet, "kv", 18590, None) as (client, admin),
+    ):
+        yield fleet, client, admin
 
 
 def test_predictions_equal_cached_tokens_and_swa_only_eviction_is_seen(stack) -> None:
     from bench.real_vllm.exactness import words, workload
-    from bench.real_vllm.through_router import settle, stream_request
+    from bench.real_vllm.through_router import prime, settle, stream_request
 
     fleet, client, admin = stack
     rng = random.Random(3)
-    for _ in range(2):  # prime both event streams (slow joiner, then replay from seq 0)
-        for r in fleet.replicas:
-            httpx.post(
-                f"{r.url}/v1/completions",
-                json={"model": MODEL, "prompt": [2, *words(rng, 40)], "max_tokens": 1},
-                timeout=60,
-            ).raise_for_status()
+    prime(fleet, rng)
     settle(admin, 0.5)
     history: list = []
     rows = []

@@ -15,6 +15,7 @@ the same workload from an empty cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -132,81 +134,103 @@ def stream_request(client: httpx.Client, req: Req) -> tuple[str, int, int, float
     return replica.split("/")[0], cached, usage["prompt_tokens"], ttft or 0.0
 
 
-def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
-    res = PolicyResult(policy, args.retention_interval)
-    rng = random.Random(args.seed)
-    port = args.base_port + 90
-    with VllmFleet(2, args.base_port, args.retention_interval) as fleet:
-        cfg = fleet.workdir / f"router-{policy}.toml"
-        cfg.write_text(router_config(fleet, policy, port, args.retention_interval))
-        log = (fleet.workdir / f"router-{policy}.log").open("wb")
-        env = {**os.environ, "KVROUTER_ADMIN_TOKEN": TOKEN}
+@contextlib.contextmanager
+def router_process(
+    fleet: VllmFleet, policy: str, port: int, retention: int | None
+) -> Iterator[tuple[httpx.Client, httpx.Client]]:
+    """``kvrouter serve`` in front of the fleet, in its own process group; yields a client and
+    an admin client (bearer token set), and stops exactly that process on exit."""
+    cfg = fleet.workdir / f"router-{policy}.toml"
+    cfg.write_text(router_config(fleet, policy, port, retention))
+    log_path = fleet.workdir / f"router-{policy}.log"
+    base = f"http://127.0.0.1:{port}"
+    with log_path.open("wb") as log:
         router = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
-            env=env,
+            env={**os.environ, "KVROUTER_ADMIN_TOKEN": TOKEN},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        base = f"http://127.0.0.1:{port}"
         try:
-            admin = httpx.Client(
-                base_url=base, headers={"authorization": f"Bearer {TOKEN}"}, timeout=60
-            )
-            client = httpx.Client(base_url=base, timeout=120)
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or router.poll() is not None:
-                    raise RuntimeError(f"kvrouter serve did not start; see {log.name}")
-                time.sleep(0.2)
-            for _ in range(2):  # prime both replicas' streams (slow joiner)
-                for r in fleet.replicas:
-                    httpx.post(
-                        f"{r.url}/v1/completions",
-                        json={"model": MODEL, "prompt": [2, *words(rng, 40)], "max_tokens": 1},
-                        timeout=60,
-                    ).raise_for_status()
-            settle(admin, 0.5)
-            history: list[tuple[list[int], list[int]]] = []
-            errs, berrs, ttfts = [], [], []
-            for i, req in enumerate(workload(rng, args.requests, history)):
-                settle(admin, args.quiet)
-                ask = (
-                    {"messages": req.messages}
-                    if req.messages is not None
-                    else {"token_ids": req.prompt_ids}
-                )
-                exp = admin.post("/admin/route/explain", json={"model": MODEL, **ask}).json()
-                replica, cached, prompt_tokens, ttft = stream_request(client, req)
-                row = next(x for x in exp["replicas"] if x["replica"] == replica)
-                pred, blind = row.get("hit_tokens", 0), row.get("group_blind_hit_tokens") or 0
-                errs.append(pred - cached)
-                berrs.append(blind - cached)
-                ttfts.append(ttft)
-                res.prompt_tokens += prompt_tokens
-                res.cached_tokens += cached
-                res.per_replica[replica] = res.per_replica.get(replica, 0) + 1
-                if pred != cached:
-                    res.misses.append(
-                        {"i": i, "kind": req.kind, "replica": replica, "predicted": pred,
-                         "actual": cached, "chosen_by_explain": exp["chosen"]["replica"]}
-                    )  # fmt: skip
-                if req.prompt_ids is not None:
-                    history.append((req.prompt_ids, words(rng, 8)))
-                if i % 25 == 24:
-                    print(
-                        f"  [{policy}] {i + 1}/{args.requests}, exact {sum(e == 0 for e in errs)}",
-                        file=sys.stderr,
-                    )
+            with (
+                httpx.Client(base_url=base, timeout=120) as client,
+                httpx.Client(
+                    base_url=base, headers={"authorization": f"Bearer {TOKEN}"}, timeout=60
+                ) as admin,
+            ):
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        if client.get("/health").status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline or router.poll() is not None:
+                        raise RuntimeError(f"kvrouter serve did not start; see {log_path}")
+                    time.sleep(0.2)  # waiting for another process to come up
+                yield client, admin
         finally:
-            os.killpg(router.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(router.pid, signal.SIGTERM)
             router.wait(timeout=30)
-            log.close()
+
+
+def prime(fleet: VllmFleet, rng: random.Random) -> None:
+    """Two small requests per replica, straight to it: the subscriber sees a first batch and
+    replays its stream from seq 0 (the ZMQ slow joiner may drop the very first messages)."""
+    for _ in range(2):
+        for r in fleet.replicas:
+            httpx.post(
+                f"{r.url}/v1/completions",
+                json={"model": MODEL, "prompt": [2, *words(rng, 40)], "max_tokens": 1},
+                timeout=60,
+            ).raise_for_status()
+
+
+def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
+    res = PolicyResult(policy, args.retention_interval)
+    rng = random.Random(args.seed)
+    port = args.base_port + 90
+    with (
+        VllmFleet(2, args.base_port, args.retention_interval) as fleet,
+        router_process(fleet, policy, port, args.retention_interval) as (client, admin),
+    ):
+        prime(fleet, rng)
+        settle(admin, 0.5)
+        history: list[tuple[list[int], list[int]]] = []
+        errs, berrs, ttfts = [], [], []
+        for i, req in enumerate(workload(rng, args.requests, history)):
+            settle(admin, args.quiet)
+            ask = (
+                {"messages": req.messages}
+                if req.messages is not None
+                else {"token_ids": req.prompt_ids}
+            )
+            exp = admin.post("/admin/route/explain", json={"model": MODEL, **ask}).json()
+            replica, cached, prompt_tokens, ttft = stream_request(client, req)
+            row = next(x for x in exp["replicas"] if x["replica"] == replica)
+            pred, blind = row.get("hit_tokens", 0), row.get("group_blind_hit_tokens") or 0
+            errs.append(pred - cached)
+            berrs.append(blind - cached)
+            ttfts.append(ttft)
+            res.prompt_tokens += prompt_tokens
+            res.cached_tokens += cached
+            res.per_replica[replica] = res.per_replica.get(replica, 0) + 1
+            if pred != cached:
+                res.misses.append(
+                    {"i": i, "kind": req.kind, "replica": replica, "predicted": pred,
+                     "actual": cached, "chosen_by_explain": exp["chosen"]["replica"]}
+                )  # fmt: skip
+            if req.prompt_ids is not None:
+                # Streaming returns text, not ids: "turn" requests extend the prompt with
+                # fresh words instead of the generated tokens here (exactness.py uses them).
+                history.append((req.prompt_ids, words(rng, 8)))
+            if i % 25 == 24:
+                print(
+                    f"  [{policy}] {i + 1}/{args.requests}, exact {sum(e == 0 for e in errs)}",
+                    file=sys.stderr,
+                )
     n = max(1, len(errs))
     res.requests = len(errs)
     res.exact = sum(e == 0 for e in errs)
