@@ -18,6 +18,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("replay",), "router.replay", "replay a recorded event stream and check hit predictions"),
     (("serve",), "router.serve_cli", "run the router: OpenAI proxy with KV-aware routing"),
     (("replica",), "gpu_emitter.cli", "run a simulated vLLM replica (OpenAI API + KV events)"),
+    (("demo",), "router.demo", "simulated replicas + router + Mooncake workload: compare policies"),
 ]
 
 

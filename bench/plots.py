@@ -1,0 +1,146 @@
+"""PNG plots of the benchmark results (matplotlib, Agg backend: no display needed).
+
+Each function takes the JSON document a benchmark wrote and returns the paths it wrote.
+Missing data gives no plot rather than an error: the report states what ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "plot_decision_latency",
+    "plot_ingest",
+    "plot_proxy",
+    "plot_routing_sim",
+]
+
+_ORDER = ("kv", "oracle", "prefix_group_blind", "least_load", "round_robin")
+_NAMES = {"kv": "hybrid", "oracle": "oracle"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_routing_sim(doc: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Cached-token share and TTFT p90 per policy, one panel per (layout, replicas), with the
+    seeds' min..max as error bars."""
+    agg = doc.get("aggregate") or []
+    if not agg:
+        return []
+    plt = _plt()
+    panels = sorted({(r["layout"], r["replicas"]) for r in agg})
+    out: list[Path] = []
+    for metric, ylabel, fname, scale in (
+        ("cached_share", "prompt tokens served from cache (%)", "routing_sim_hit.png", 100.0),
+        ("ttft_p90_s", "TTFT p90 (s, simulated)", "routing_sim_ttft.png", 1.0),
+    ):
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), squeeze=False)
+        for ax, (layout, n) in zip(axes[0], panels, strict=True):
+            rows = {r["policy"]: r for r in agg if r["layout"] == layout and r["replicas"] == n}
+            names = [p for p in _ORDER if p in rows]
+            vals = [scale * rows[p][metric] for p in names]
+            lo = [v - scale * rows[p][metric + "_min"] for v, p in zip(vals, names, strict=True)]
+            hi = [scale * rows[p][metric + "_max"] - v for v, p in zip(vals, names, strict=True)]
+            colors = ["tab:green" if p == "kv" else "tab:gray" for p in names]
+            ax.bar(range(len(names)), vals, yerr=[lo, hi], color=colors, capsize=3)
+            ax.set_xticks(range(len(names)))
+            ax.set_xticklabels([_NAMES.get(p, p) for p in names], rotation=35, ha="right")
+            ax.set_title(f"{layout}, {n} replicas", fontsize=9)
+            if metric == "cached_share":
+                inf = doc.get("infinite_capacity_share") or {}
+                if inf:
+                    v = scale * sum(inf.values()) / len(inf)
+                    ax.axhline(v, color="tab:red", ls="--", lw=1, label="infinite capacity")
+                    ax.legend(fontsize=7, loc="lower right")
+        axes[0][0].set_ylabel(ylabel)
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+def _find_rows(doc: Any, keys: Sequence[str]) -> list[dict[str, Any]]:
+    """Every dict nested in ``doc`` that has all ``keys`` (benchmarks nest differently)."""
+    found: list[dict[str, Any]] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            if all(k in x for k in keys):
+                found.append(x)
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(doc)
+    return found
+
+
+def plot_decision_latency(points: list[tuple[int, float, str]], out_dir: Path) -> list[Path]:
+    """Decision latency (ms) against prompt length (tokens), one line per series."""
+    if not points:
+        return []
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for n, ms, label in points:
+        series.setdefault(label, []).append((n, ms))
+    for label, pts in series.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("decision latency p50 (ms)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "decision_latency.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def plot_ingest(bars: list[tuple[str, float]], out_dir: Path) -> list[Path]:
+    """Ingest throughput bars (million blocks or events per second)."""
+    if not bars:
+        return []
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.barh([b[0] for b in bars], [b[1] / 1e6 for b in bars], color="tab:blue")
+    ax.set_xlabel("million per second")
+    fig.tight_layout()
+    path = out_dir / "ingest_throughput.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def plot_proxy(bars: list[tuple[str, float, float]], out_dir: Path) -> list[Path]:
+    """Proxy overhead: added p50 latency (ms) and router CPU-ms per request, per scenario."""
+    if not bars:
+        return []
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    x = range(len(bars))
+    ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="added p50 latency (ms)")
+    ax.bar([i + 0.2 for i in x], [b[2] for b in bars], 0.4, label="router CPU ms / request")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([b[0] for b in bars], rotation=30, ha="right", fontsize=7)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "proxy_overhead.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,121 @@
+"""``kvrouter demo`` end to end (tiny): real replica and router subprocesses over loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[1]
+KVROUTER = [sys.executable, "-m", "router.cli"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purpose only once reaped; the demo waits for its children.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _pids(out: Path) -> list[int]:
+    return [int(line.split()[0]) for line in (out / "pids.txt").read_text().splitlines()]
+
+
+def _wait_for(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_tiny_demo_compares_policies_and_leaves_no_process(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [
+            *KVROUTER,
+            "demo",
+            "--replicas",
+            "2",
+            "--requests",
+            "20",
+            "--duration",
+            "2",
+            "--policies",
+            "kv,round_robin",
+            "--trace",
+            "synthetic",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "done   20/20" in proc.stdout  # live progress lines
+    assert str(out) in proc.stdout  # the output folder is named at the end
+    doc = json.loads((out / "demo.json").read_text())
+    rows = {r["label"]: r for r in doc["policies"]}
+    assert set(rows) == {"hybrid", "round_robin"}
+    for r in rows.values():
+        assert r["requests"] == 20 and r["errors"] == 0
+        assert r["prompt_tokens"] > 0 and r["ttft_p50_s"] > 0
+        assert sum(r["requests_per_replica"].values()) == 20
+    assert rows["hybrid"]["prediction_exact_ratio"] > 0.5
+    assert (out / "demo_policies.png").stat().st_size > 1000
+    assert (out / "run-hybrid" / "router.toml").read_text().count("[[pools.replicas]]") == 2
+    pids = _pids(out)
+    assert len(pids) == 2 * 3  # two replicas and a router per policy
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [
+            *KVROUTER,
+            "demo",
+            "--replicas",
+            "2",
+            "--requests",
+            "400",
+            "--duration",
+            "60",
+            "--trace",
+            "synthetic",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Interrupt once the replicas and the router are running (the router is third).
+        assert _wait_for(lambda: (out / "pids.txt").exists() and len(_pids(out)) >= 3, 60)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 130
+    assert not [p for p in _pids(out) if _alive(p)]
