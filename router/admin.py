@@ -144,6 +144,8 @@ def admin_router(state: RouterState) -> APIRouter:
         rows = []
         hits = choice.prediction.as_dict()["replicas"] if choice.prediction else []
         by_key = {(h["replica"], h["dp_rank"]): h for h in hits}
+        spec = choice.speculative.as_dict()["replicas"] if choice.speculative else []
+        spec_by_key = {(h["replica"], h["dp_rank"]): h for h in spec}
         cands = {c.key: c for c in pool.candidates(None, set())}
         for key, s in scores.items():
             row = dict(by_key.get(key, {"replica": key[0], "dp_rank": key[1]}))
@@ -159,6 +161,18 @@ def admin_router(state: RouterState) -> APIRouter:
                 if c is not None
                 else None
             )
+            sp = spec_by_key.get(key)
+            # hit_tokens above is the events-only prediction; this is what the speculative
+            # overlay adds (routing only) and what the score used when present
+            row["speculative"] = (
+                {
+                    "hit_tokens": sp["hit_tokens"],
+                    "spec_group_hits": sp.get("spec_group_hits"),
+                    "limiting_group": sp.get("limiting_group"),
+                }
+                if sp is not None
+                else None
+            )
             row["score"] = s.as_dict()
             rows.append(row)
         chosen = choice.decision.chosen.key
@@ -171,6 +185,7 @@ def admin_router(state: RouterState) -> APIRouter:
             "chosen": {"replica": chosen[0], "dp_rank": chosen[1]},
             "tied": choice.decision.tied,
             "decision_seconds": elapsed,
+            "speculative_entries": len(pool.speculative) if pool.speculative else None,
             "replicas": rows,
         }
 

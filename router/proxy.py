@@ -23,6 +23,7 @@ Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it cos
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -202,6 +203,8 @@ class Proxy:
                 return
             except _Upstream as exc:
                 last_error = exc
+                if pool.speculative is not None:
+                    pool.speculative.discard(choice.insertion)
                 rep.failures += 1
                 self._m.failovers.labels(key[0]).inc()
                 log.warning("replica %s failed before the first byte: %s", key[0], exc)
@@ -229,9 +232,15 @@ class Proxy:
         headers = list(fwd)
         if rep.cfg.dp_rank_header:
             headers.append((rep.cfg.dp_rank_header.encode(), str(rank).encode()))
-        predicted = choice.decision.chosen.hit_tokens
+        # the events-only prediction (the speculative hit only steers routing)
+        predicted = 0
+        if choice.prediction is not None:
+            with contextlib.suppress(KeyError):
+                predicted = choice.prediction.hit(key).hit_tokens
         label = key[0] if len(rep.ranks) == 1 else f"{key[0]}/dp{rank}"
-        pending = max(0, choice.num_tokens - predicted)
+        # the prefill it still owes uses the hit the policy ranked with: a request stacked on
+        # an in-flight one with the same prefix (speculative hit) adds only its remainder
+        pending = max(0, choice.num_tokens - choice.decision.chosen.hit_tokens)
         rep.in_flight[rank] = rep.in_flight.get(rank, 0) + 1
         rep.pending_prefill[rank] = rep.pending_prefill.get(rank, 0) + pending
         gauge = self._m.in_flight.labels(key[0])

@@ -36,6 +36,7 @@ from router.ingest import IndexFeeder
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
 from router.predict import Prediction, Predictor
+from router.speculative import SpeculativeOverlay
 from router.tokenize import RequestTokenizer, make_tokenizer
 from router.upstream import UpstreamPool
 
@@ -103,6 +104,11 @@ class RouteChoice:
     reason: str | None
     body: dict[str, Any] | None = None
     """The request body (cache salt, prompt_logprobs: what an explained re-prediction needs)."""
+    speculative: Prediction | None = None
+    """Hits over index + speculative overlay, when the overlay could change them (the policy
+    ranked with these; ``prediction`` stays the events-only one)."""
+    insertion: Any = None
+    """This request's speculative entries (withdrawn if it fails over elsewhere)."""
 
 
 class PoolState:
@@ -116,6 +122,11 @@ class PoolState:
             cfg.layout, limits=IndexLimits(max_bytes=router.config.index.max_bytes), pool=cfg.model
         )
         self.predictor = Predictor(self.index)
+        self.speculative: SpeculativeOverlay | None = None
+        if cfg.policy.speculative_insert and cfg.policy.name in ("kv", "prefix_group_blind"):
+            self.speculative = SpeculativeOverlay(
+                self.index, self.predictor, cfg.policy.speculative_ttl_s
+            )
         self.policy: Policy = make_policy(cfg.policy)
         self.fallback = LeastLoadPolicy(cfg.policy)
         self.replicas: dict[str, ReplicaState] = {}
@@ -165,8 +176,16 @@ class PoolState:
             )
         if specs:
             feeder = IndexFeeder(self.index, rep.streams)
+            on_item: Any = feeder
+            if self.speculative is not None:
+                overlay, streams = self.speculative, rep.streams
+
+                def on_item(item: Any) -> None:
+                    feeder(item)
+                    overlay.on_item(streams[item.stream], item)
+
             sub = AsyncSubscriber(
-                specs, on_item=feeder, replay_timeout=self.router.config.index.replay_timeout_s
+                specs, on_item=on_item, replay_timeout=self.router.config.index.replay_timeout_s
             )
             try:
                 await sub.start()
@@ -189,6 +208,9 @@ class PoolState:
         rep = self.replicas.pop(name)
         if rep.subscriber is not None:
             await rep.subscriber.close()
+        if self.speculative is not None:
+            for r in rep.ranks:
+                self.speculative.forget_replica((name, r))
         self.index.remove_replica(name)
         await rep.client.aclose()
         await rep.upstream.aclose()
@@ -241,13 +263,11 @@ class PoolState:
         replicas: list[ReplicaKey] | None = None,
     ) -> Prediction:
         """The events-only prediction for every replica (or ``replicas``)."""
-        salt = body.get("cache_salt")
-        keys = RequestKeys(cache_salt=salt) if isinstance(salt, str) and salt else None
+        keys, skip = _request_keys(body)
         return self.predictor.predict(
             token_ids,
             keys,
-            skip_reading=body.get("prompt_logprobs") is not None
-            or bool(body.get("skip_reading_prefix_cache")),
+            skip_reading=skip,
             replicas=replicas,
             explain=explain,
             blind=explain or self.policy.needs_blind,
@@ -262,17 +282,54 @@ class PoolState:
         explain: bool = False,
         reason: str | None = None,
     ) -> RouteChoice:
-        pred = None
+        pred = spec = insertion = None
         if token_ids:
             pred = self.predict(token_ids, body, explain)
+            overlay = self.speculative
+            if overlay is not None:
+                keys, skip = _request_keys(body)
+                try:
+                    spec = overlay.predict(
+                        token_ids,
+                        keys,
+                        skip_reading=skip,
+                        explain=explain,
+                        blind=explain or self.policy.needs_blind,
+                    )
+                except Exception:  # speculation is an optimisation: never fail a request
+                    log.exception("speculative prediction failed; routing on events only")
+            basis = spec if spec is not None else pred
             decision = self.policy.choose(
-                len(token_ids), self.candidates(pred, exclude), commit=not explain
+                len(token_ids), self.candidates(basis, exclude), commit=not explain
             )
+            if overlay is not None and not explain:
+                chosen = decision.chosen.key
+                hit = next((h.result for h in basis.replicas if h.replica == chosen), None)
+                try:
+                    insertion = overlay.record(chosen, token_ids, keys, hit)
+                except Exception:
+                    log.exception("speculative insert failed")
         else:
             decision = self.fallback.choose(0, self.candidates(None, exclude), commit=not explain)
         return RouteChoice(
-            self, decision, pred, len(token_ids) if token_ids else 0, token_ids, reason, body
+            self,
+            decision,
+            pred,
+            len(token_ids) if token_ids else 0,
+            token_ids,
+            reason,
+            body,
+            spec,
+            insertion,
         )
+
+
+def _request_keys(body: dict[str, Any]) -> tuple[RequestKeys | None, bool]:
+    """The request's extra hash keys and whether vLLM skips reading the cache for it."""
+    salt = body.get("cache_salt")
+    keys = RequestKeys(cache_salt=salt) if isinstance(salt, str) and salt else None
+    skip = body.get("prompt_logprobs") is not None or bool(body.get("skip_reading_prefix_cache"))
+    return keys, skip
 
 
 def _get(d: dict[int, float], rank: int, avg: bool = False) -> Any:

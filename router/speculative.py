@@ -1,0 +1,336 @@
+"""Speculative insert: what a just-routed request *will* cache, held briefly for routing only.
+
+Events trail requests: a replica publishes a prompt's blocks only once it has computed them,
+so for a few hundred milliseconds after routing a prompt the index still says "not cached".
+A burst of requests sharing a new prefix (a popular system prompt after a cold start) would
+then be spread over every replica by the load terms, and each replica computes the prefix.
+With speculation, the blocks a routed request will cache on its replica count as present
+for ``ttl_s`` seconds or until that replica's events about them arrive, so the burst lands
+together and the prefix is computed once.
+
+What counts as "will cache" follows spec §4.7 (default retention) and errs low:
+
+* full-attention-type and chunked-local groups: every full block up to the cached length
+  (``num_tokens`` rounded down to S unless partial hits are on);
+* sliding-window groups: the ``ceil((window - 1) / B)`` blocks ending at each reachable
+  boundary (``floor((num_tokens - 1) / A) * A``, and ``floor(junction / A) * A`` with the
+  junction ``hit + num_uncached`` when ``num_uncached > 0``, §4.1) -- or every block when
+  ``A % B != 0``;
+* Mamba (``align`` mode): the one state block ending at each reachable boundary;
+* anything else (EAGLE groups, partial-hit layouts' checkpoints, ``retention_interval`` other
+  than 0, Mamba ``all`` mode) adds nothing: a missing entry only makes the speculative hit
+  lower, never invents one.
+
+This is an overlay, never index state. :class:`SpeculativeOverlay` keeps its own
+``(group, wire hash) -> replica bitmask`` tables (the index's slot bits) and
+:meth:`SpeculativeOverlay.predict` runs the ordinary predictor over "index OR overlay". The
+reported prediction (the ``x-kvrouter-predicted-hit`` header, the error loop, explain's
+``hit_tokens``) stays the events-only one; explain shows the speculative hit separately.
+
+Entries leave when the TTL expires, when the replica's events name their hash (stored: the
+index has it now; removed: the index is right and the overlay must not contradict it), when
+the replica's stream resets or loses events, when the replica is removed, or when the request
+failed over before reaching it (:meth:`discard`).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
+from events.stream import StreamBatch, StreamItem
+from router.hashing import RequestKeys
+from router.hybrid import HitResult
+from router.index import KVIndex, ReplicaKey
+from router.layout import GroupKind, ResolvedLayout
+from router.predict import Prediction, Predictor
+
+__all__ = ["SpeculativeOverlay", "speculative_blocks"]
+
+_DENSE = frozenset(
+    {
+        GroupKind.FULL_ATTENTION,
+        GroupKind.MLA_ATTENTION,
+        GroupKind.SINK_FULL_ATTENTION,
+        GroupKind.CHUNKED_LOCAL_ATTENTION,
+    }
+)
+_SLIDING = frozenset({GroupKind.SLIDING_WINDOW, GroupKind.SLIDING_WINDOW_MLA})
+
+
+def speculative_blocks(
+    layout: ResolvedLayout, num_tokens: int, hit: HitResult | None
+) -> list[tuple[tuple[int, ...], int, list[int]]]:
+    """Blocks a request of ``num_tokens`` prompt tokens will cache (module docstring).
+
+    Returns ``(group_ids, k, block indices)`` per spec group, ``k = B / H`` (block ``j`` of
+    the group is the fine chain's hash ``(j + 1) * k - 1``). ``hit`` is the request's hit on
+    the chosen replica (for the junction); None means no junction.
+    """
+    H = layout.hash_block_size
+    A = layout.alignment
+    cached = (
+        num_tokens
+        if layout.partial_hits
+        else num_tokens // layout.scheduler_block_size * (layout.scheduler_block_size)
+    )
+    boundaries = {(num_tokens - 1) // A * A} if num_tokens > 0 else set()
+    if hit is not None and hit.num_uncached > 0:
+        boundaries.add((hit.hit_tokens + hit.num_uncached) // A * A)
+    boundaries = {b for b in boundaries if 0 < b <= cached}
+    checkpoints = layout.layout.retention_interval == 0 and not layout.partial_hits
+    out = []
+    for sg in layout.spec_groups:
+        spec = sg.spec
+        B = spec.block_size
+        if spec.eagle or B % H:
+            continue
+        k = B // H
+        n_full = cached // B
+        if spec.kind in _DENSE:
+            blocks = list(range(n_full))
+        elif spec.kind in _SLIDING and checkpoints and spec.sliding_window:
+            if A % B:
+                blocks = list(range(n_full))
+            else:
+                need = -(-(spec.sliding_window - 1) // B)
+                picked: set[int] = set()
+                for b in boundaries:
+                    end = b // B
+                    picked.update(range(max(0, end - need), end))
+                blocks = sorted(j for j in picked if j < n_full)
+        elif spec.kind is GroupKind.MAMBA and checkpoints and spec.mamba_mode == "align":
+            blocks = sorted(b // B - 1 for b in boundaries if b % B == 0 and b // B <= n_full)
+        else:
+            continue
+        if blocks:
+            out.append((sg.group_ids, k, blocks))
+    return out
+
+
+class _Merged:
+    """A GPU table seen through the overlay: ``get`` ORs the replica bits of both."""
+
+    __slots__ = ("base", "over")
+
+    def __init__(self, base: dict, over: dict) -> None:
+        self.base = base
+        self.over = over
+
+    def get(self, h: object, default: int = 0) -> int:
+        return self.base.get(h, 0) | self.over.get(h, 0)
+
+
+class _View:
+    """The index as :class:`Predictor` reads it, with the overlay merged into the GPU tier."""
+
+    def __init__(self, index: KVIndex, overlay: SpeculativeOverlay) -> None:
+        self._index = index
+        self._overlay = overlay
+        self.conformance = None  # set by Predictor; the view never checks conformance
+
+    @property
+    def layout(self) -> ResolvedLayout | None:
+        return self._index.layout
+
+    def replicas(self) -> list[ReplicaKey]:
+        return self._index.replicas()
+
+    def is_trusted(self, key: ReplicaKey) -> bool:
+        return self._index.is_trusted(key)
+
+    def untrusted_reason(self, key: ReplicaKey) -> str | None:
+        return self._index.untrusted_reason(key)
+
+    def slot_bit(self, key: ReplicaKey) -> int:
+        return self._index.slot_bit(key)
+
+    def tiers_in_use(self) -> list[str]:
+        return self._index.tiers_in_use()
+
+    def table(self, tier: str, group: int) -> object:
+        base = self._index.table(tier, group)
+        over = self._overlay._tables.get(group) if tier == "GPU" else None
+        return _Merged(base, over) if over else base
+
+
+@dataclass(slots=True)
+class _Insertion:
+    expires: float
+    key: ReplicaKey
+    bit: int
+    first: object
+    entries: list[tuple[int, object]]
+    live: bool = True
+
+
+class SpeculativeOverlay:
+    """One pool's speculative entries (module docstring). Single-threaded, like the index."""
+
+    def __init__(
+        self,
+        index: KVIndex,
+        predictor: Predictor,
+        ttl_s: float = 2.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._base = predictor
+        self._predictor = Predictor(_View(index, self))  # type: ignore[arg-type]
+        # share the pool's hasher (and its memo): the chain is hashed once per request
+        self._predictor.hasher = predictor.hasher  # type: ignore[method-assign]
+        self._tables: dict[int, dict[object, int]] = {}
+        self._owner: dict[tuple[int, object, int], _Insertion] = {}
+        """(group, hash, bit) -> the latest insertion holding it (it alone may retire it)."""
+        self._firsts: collections.Counter[object] = collections.Counter()
+        self._fifo: collections.deque[_Insertion] = collections.deque()
+        self.inserted = 0
+        self.confirmed = 0
+        self.expired = 0
+
+    def __len__(self) -> int:
+        """Live (group, hash, replica) entries."""
+        return len(self._owner)
+
+    # ----------------------------------------------------------------- entries
+
+    def _add(self, g: int, h: object, bit: int, ins: _Insertion) -> None:
+        ck = (g, h, bit)
+        if ck not in self._owner:
+            t = self._tables.setdefault(g, {})
+            t[h] = t.get(h, 0) | bit
+        self._owner[ck] = ins
+
+    def _drop(self, ck: tuple[int, object, int]) -> None:
+        del self._owner[ck]
+        g, h, bit = ck
+        t = self._tables[g]
+        m = t[h] & ~bit
+        if m:
+            t[h] = m
+        else:
+            del t[h]
+            if not t:
+                del self._tables[g]
+
+    def _retire(self, ins: _Insertion) -> None:
+        if not ins.live:
+            return
+        ins.live = False
+        owner = self._owner
+        for g, h in ins.entries:
+            ck = (g, h, ins.bit)
+            if owner.get(ck) is ins:
+                self._drop(ck)
+        ins.entries = []
+        self._firsts[ins.first] -= 1
+        if self._firsts[ins.first] <= 0:
+            del self._firsts[ins.first]
+
+    def expire(self) -> None:
+        """Drop insertions older than the TTL (called by every other entry point)."""
+        now = self._clock()
+        fifo = self._fifo
+        while fifo and (fifo[0].expires <= now or not fifo[0].live):
+            ins = fifo.popleft()
+            if ins.live:
+                self.expired += 1
+                self._retire(ins)
+
+    def record(
+        self,
+        key: ReplicaKey,
+        token_ids: Sequence[int],
+        keys: RequestKeys | None,
+        hit: HitResult | None,
+    ) -> _Insertion | None:
+        """The request was routed to ``key``: its future blocks count as present there."""
+        self.expire()
+        layout = self.index.layout
+        hasher = self._base.hasher()
+        if layout is None or hasher is None or not self.index.is_trusted(key):
+            return None
+        plan = speculative_blocks(layout, len(token_ids), hit)
+        if not plan:
+            return None
+        chain = hasher.lazy_chain(token_ids, keys)
+        bit = self.index.slot_bit(key)
+        ins = _Insertion(self._clock() + self.ttl_s, key, bit, chain.wire(0), [])
+        entries = ins.entries
+        for group_ids, k, blocks in plan:
+            for j in blocks:
+                h = chain.block_wire(j, k)
+                for g in group_ids:
+                    entries.append((g, h))
+                    self._add(g, h, bit, ins)
+        self._firsts[ins.first] += 1
+        self._fifo.append(ins)
+        self.inserted += 1
+        return ins
+
+    def discard(self, ins: _Insertion | None) -> None:
+        """The request did not reach that replica after all (it failed over)."""
+        if ins is not None:
+            self._retire(ins)
+
+    def forget_replica(self, key: ReplicaKey) -> None:
+        """The replica was removed, reset or lost events: nothing speculative stays."""
+        for ins in self._fifo:
+            if ins.key == key:
+                self._retire(ins)
+
+    def on_events(self, key: ReplicaKey, events: Iterable[object]) -> None:
+        """The replica's events arrived: entries they name are the index's business now."""
+        if not self._owner:
+            return
+        bit = self.index.slot_bit(key)
+        owner = self._owner
+        for ev in events:
+            if type(ev) is AllBlocksCleared:
+                self.forget_replica(key)
+                return
+            # only GPU events speak for the GPU cache the overlay stands in for
+            if isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium in (None, "GPU"):
+                g = ev.group_idx or 0
+                for h in ev.block_hashes:
+                    ck = (g, h, bit)
+                    if ck in owner:
+                        self._drop(ck)
+                        self.confirmed += 1
+
+    def on_item(self, key: ReplicaKey, item: StreamItem) -> None:
+        """Feed a stream item the index just applied (batches confirm, the rest forget)."""
+        if type(item) is StreamBatch:
+            self.on_events(key, item.batch.events)
+        else:
+            self.forget_replica(key)
+
+    # --------------------------------------------------------------- routing
+
+    def predict(
+        self,
+        token_ids: Sequence[int],
+        keys: RequestKeys | None,
+        *,
+        skip_reading: bool = False,
+        explain: bool = False,
+        blind: bool = False,
+    ) -> Prediction | None:
+        """Hits over index + overlay, or None when the overlay cannot change any hit (no
+        live insertion shares the request's first block -- every chain hash depends on it)."""
+        self.expire()
+        if not self._firsts or skip_reading:
+            return None
+        hasher = self._base.hasher()
+        if hasher is None or not token_ids:
+            return None
+        chain = hasher.lazy_chain(token_ids, keys)
+        if not len(chain) or chain.wire(0) not in self._firsts:
+            return None  # shorter than a block: nothing to hit
+        return self._predictor.predict(token_ids, keys, explain=explain, blind=blind)
