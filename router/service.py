@@ -7,6 +7,9 @@ index from that loop, so the index is read and written by one thread only (route
 The ASGI app is a thin dispatcher: ``POST /v1/completions`` and ``/v1/chat/completions`` go
 straight to :class:`router.proxy.Proxy` (the hot path, raw ASGI, no framework on it); every
 other path goes to a FastAPI app (``/v1/models``, ``/health``, ``/metrics``, ``/admin``).
+Requests go upstream on :mod:`router.upstream` keep-alive pools (httpx only scrapes
+``/metrics``); with ``policy.speculative_insert`` a pool routes over index + the
+:mod:`router.speculative` overlay, which the subscribers' items retire.
 """
 
 from __future__ import annotations
