@@ -28,7 +28,8 @@ Prediction error, per routed request on the chosen replica:
 Scaling (stated in every result): see :mod:`router.workload`; defaults: one 512-token trace
 block becomes 32 tokens (all token counts / 16), prefill costs ``0.05 ms x 16`` per scaled
 token (20 k real tokens/s), one decode step (one scaled output token) 20 ms, arrivals sped up
-so that the load per replica is the same for every replica count (``time_scale = 2 / N``).
+so that each replica sees about 0.8 requests/s whatever the sample and the replica count
+(``time_scale = 4.25 / (session_stride * N)``; the trace averages 3.4 requests/s).
 
 Usage::
 
@@ -49,7 +50,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -274,9 +275,12 @@ class Sim:
         self.keys = [self.index.add_replica(f"r{i}") for i in range(cfg.replicas)]
         self.predictor = Predictor(self.index)
         pname = "kv" if cfg.policy == ORACLE else cfg.policy
-        pc = PolicyConfig(name=pname, seed=cfg.seed)  # type: ignore[arg-type]
-        if cfg.lookahead_weight is not None:
-            pc = replace(pc, lookahead_weight=cfg.lookahead_weight)
+        weight = cfg.lookahead_weight
+        if "@" in pname:  # "kv@0.5": the kv policy with lookahead_weight 0.5 (sweeps)
+            pname, w = pname.split("@", 1)
+            weight = float(w)
+        extra = {} if weight is None else {"lookahead_weight": weight}
+        pc = PolicyConfig(name=pname, seed=cfg.seed, **extra)  # type: ignore[arg-type]
         self.policy = make_policy(pc, random.Random(cfg.seed))
         self.in_flight = [0] * cfg.replicas
         self.pending = [0] * cfg.replicas
@@ -530,8 +534,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--session-stride", type=int, help="keep 1 conversation in S (quick: 10)")
     ap.add_argument("--limit", type=int, help="at most this many requests per run")
     ap.add_argument(
-        "--time-scale", type=float, help="arrival time multiplier (default 2 / replicas)"
+        "--time-scale",
+        type=float,
+        help="arrival time multiplier (default 4.25 / (session stride x replicas): about "
+        "0.8 requests/s per replica whatever the sample and fleet size)",
     )
+    ap.add_argument("--note", default="", help="a sentence stored with the result")
     ap.add_argument("--num-blocks", type=int, help="KV blocks per replica (default 4096)")
     ap.add_argument("--event-delay", type=float, default=0.0, help="seconds before events apply")
     ap.add_argument("--lookahead-weight", type=float, help="PolicyConfig.lookahead_weight")
@@ -552,7 +560,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for seed in range(seeds):
             scaling = Scaling(
                 block_tokens=args.block_tokens,
-                time_scale=args.time_scale if args.time_scale is not None else 2.0 / n,
+                time_scale=(
+                    args.time_scale if args.time_scale is not None else 4.25 / (stride * n)
+                ),
                 session_stride=stride,
                 session_offset=seed if stride > 1 else 0,
                 limit=args.limit,
@@ -618,6 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trace": args.trace or ("synthetic" if args.synthetic else str(default_trace_path())),
         "scaling": jobs[0][1].describe() + f"; {num_blocks} KV blocks per replica",
         "infinite_capacity_share": bounds,
+        "note": args.note,
         "runs": rows,
         "aggregate": agg,
         "table_md": md,
