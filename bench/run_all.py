@@ -170,19 +170,31 @@ def _section_generic(doc: dict[str, Any]) -> str:
 
 ANALYSIS = """\
 **Reading the routing results.** `hybrid` (the `kv` policy) predicts every replica's true hit
-at every decision (`pred exact now`: all, 0 mismatches with events in order), so on this
-simulator it makes exactly the decisions of the oracle (same cost model on the pools' true
-state): it reaches 100 % of the oracle by construction, and the oracle is not an upper bound
-on reuse for *other* policies (it is greedy, like `hybrid`). Where `prefix_group_blind`
-matches or beats `hybrid` on a sliding-window layout, the cause is the look-ahead effect
-described in the router-service issue: when exact hits tie (often at 0 because the window's
-checkpoint was evicted or never stored), the replica that holds the request's
-full-attention prefix is where vLLM pins a sliding-window checkpoint at the junction, so the
-*next* turn of that conversation hits there. `hybrid` credits that prefix only with
-`lookahead_weight` (0.25) of its length, so modest load differences (64 prefill-token
-equivalents per running request, plus pending prefill) pull a conversation off its replica;
-group-blind credits the whole prefix and keeps conversations sticky. See the look-ahead
-sweep below for the measured effect of the weight and the proposed change.
+at every decision (`pred exact now`: all; 0 mismatches with events delivered in order), so on
+this simulator it makes exactly the oracle's decisions (the same cost model on the pools' true
+state) and reaches 100 % of it by construction. The oracle is greedy like `hybrid`, so it is
+not an upper bound for other policies; the infinite-capacity line is. `exact at admit` below
+100 % is not a prediction error: the request queued and other requests were admitted (and
+evicted blocks) before it. Group-blind prediction over-predicts on `fa_swa` (mean and max in
+tokens in the table) and is exact on `fa`, as the spec says.
+
+Where `prefix_group_blind` matches or beats `hybrid` on a sliding-window layout, the cause is
+the look-ahead effect of the router-service issue: when exact hits tie (often at 0, the window
+checkpoint evicted or never stored), the replica holding the request's full-attention prefix
+is where vLLM pins a window checkpoint at the junction, so the *next* turn of the
+conversation hits there. `hybrid` credits that prefix with `lookahead_weight` (0.25) of its
+length only, so small load differences (64 prefill-token equivalents per running request,
+pending prefill) move a conversation off its replica; group-blind credits the whole prefix
+and keeps conversations sticky. Under load the balance turns: group-blind piles work on
+replicas whose sliding-window state is gone (its TTFT estimate is wrong by the over-prediction)
+and exact hits win on both reuse and TTFT p90 (the sweep below, about 0.8 requests/s per
+replica). **Proposed change** (`router/config.py` default, not owned here): raise
+`lookahead_weight` from 0.25 to 1.0, the best of 0.25/0.5/1.0 on both fleet sizes in the
+sweep. With `fa_prefix >= hit` the cost is then `num_tokens - hit - fa_prefix + queued`:
+the exact hit still decides the TTFT estimate's prefill term, and a full-attention prefix
+weighs as much as the future hit it buys, so load alone no longer scatters conversations.
+The gain is small next to the seed spread (whole different conversation samples); a paired
+comparison over more seeds of the full trace is the next measurement.
 """
 
 
