@@ -21,11 +21,12 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   what the full-attention group alone holds). When a request's hit is limited by a sliding
   window group, vLLM pins ``shared_prefix_boundary`` at that junction and stores a window
   checkpoint there (spec §4.1, §4.7): the *next* request with the same prefix then hits on that
-  replica. The credit is a fraction (default 1/4) of that prefix, so an exact hit of ``h``
-  always beats a mere full-attention prefix of fewer than ``h / w`` tokens, and among replicas
-  whose exact hits tie (often at 0) the one holding the longer prefix wins. Measured on real
-  vLLM (spec real-vllm-on-cpu.md): greedy exact 50.0 % reuse, group-blind 52.8 %, exact with
-  this tie-break 52.8 %.
+  replica. With the default weight ``w = 1`` a replica scores its exact hit plus the prefix it
+  holds (the hit now plus the hit the next similar request is expected to get there): an exact
+  hit still decides between equal prefixes, and a long full-attention prefix beats a short
+  exact hit elsewhere. Measured: greedy exact routing (w = 0) loses to group-blind on real vLLM
+  (50.0 % vs 52.8 % reuse, spec real-vllm-on-cpu.md); w = 0.25 still lost by 3-7 points in
+  bench/real_vllm/through_router.py; w = 1.0 won the routing simulator's sweep.
 
 Candidates whose cost is within ``tie_tokens`` of the best are tied and one is picked with the
 injected RNG; with ``temperature > 0`` the choice is sampled from ``softmax(-cost / T)``. The
