@@ -19,7 +19,7 @@ Minimal example (a callback is also accepted, ``Subscriber(specs, on_item=...)``
 
     from events import StreamBatch, StreamSpec, Subscriber
 
-    spec = StreamSpec("replica-a", "tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558")
+    spec = StreamSpec("replica-a", "tcp://replica-a:5557", replay_endpoint="tcp://replica-a:5558")
     with Subscriber([spec]) as sub:
         for item in sub:                       # blocks; ends when sub.close() is called
             if isinstance(item, StreamBatch):
