@@ -756,11 +756,11 @@ def test_callback_errors_are_counted_not_fatal() -> None:
 
 
 def test_dp_stream_specs_follow_vllm_offsets() -> None:
-    specs = dp_stream_specs("r", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5600", ranks=range(3))
+    specs = dp_stream_specs("r", "tcp://127.0.0.9:5557", "tcp://127.0.0.9:5600", ranks=range(3))
     assert [(s.name, s.endpoint, s.replay_endpoint, s.dp_rank) for s in specs] == [
-        ("r/dp0", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5600", 0),
-        ("r/dp1", "tcp://10.0.0.1:5558", "tcp://10.0.0.1:5601", 1),
-        ("r/dp2", "tcp://10.0.0.1:5559", "tcp://10.0.0.1:5602", 2),
+        ("r/dp0", "tcp://127.0.0.9:5557", "tcp://127.0.0.9:5600", 0),
+        ("r/dp1", "tcp://127.0.0.9:5558", "tcp://127.0.0.9:5601", 1),
+        ("r/dp2", "tcp://127.0.0.9:5559", "tcp://127.0.0.9:5602", 2),
     ]
 
 
