@@ -178,23 +178,18 @@ not an upper bound for other policies; the infinite-capacity line is. `exact at 
 evicted blocks) before it. Group-blind prediction over-predicts on `fa_swa` (mean and max in
 tokens in the table) and is exact on `fa`, as the spec says.
 
-Where `prefix_group_blind` matches or beats `hybrid` on a sliding-window layout, the cause is
-the look-ahead effect of the router-service issue: when exact hits tie (often at 0, the window
-checkpoint evicted or never stored), the replica holding the request's full-attention prefix
-is where vLLM pins a window checkpoint at the junction, so the *next* turn of the
-conversation hits there. `hybrid` credits that prefix with `lookahead_weight` (0.25) of its
-length only, so small load differences (64 prefill-token equivalents per running request,
-pending prefill) move a conversation off its replica; group-blind credits the whole prefix
-and keeps conversations sticky. Under load the balance turns: group-blind piles work on
-replicas whose sliding-window state is gone (its TTFT estimate is wrong by the over-prediction)
-and exact hits win on both reuse and TTFT p90 (the sweep below, about 0.8 requests/s per
-replica). **Proposed change** (`router/config.py` default, not owned here): raise
-`lookahead_weight` from 0.25 to 1.0, the best of 0.25/0.5/1.0 on both fleet sizes in the
-sweep. With `fa_prefix >= hit` the cost is then `num_tokens - hit - fa_prefix + queued`:
-the exact hit still decides the TTFT estimate's prefill term, and a full-attention prefix
-weighs as much as the future hit it buys, so load alone no longer scatters conversations.
-The gain is small next to the seed spread (whole different conversation samples); a paired
-comparison over more seeds of the full trace is the next measurement.
+**Look ahead.** When exact hits tie (often at 0: the window checkpoint evicted or never
+stored), the replica holding the request's full-attention prefix is where vLLM pins a window
+checkpoint at the junction, so the *next* turn of the conversation hits there. `hybrid` scores
+a replica by its exact hit plus `lookahead_weight` times that prefix. The sweep below (quick
+sample, default then 0.25) found 1.0 best at both fleet sizes, and 1.0 is now the default
+(`router/config.py`); the main table above was run with it. With `fa_prefix >= hit` the cost is
+`num_tokens - hit - fa_prefix + queued`: the exact hit still decides the TTFT estimate's
+prefill term, and a full-attention prefix weighs as much as the future hit it buys, so load
+alone no longer scatters conversations. On two real vLLM replicas with sequential traffic
+(bench/real_vllm/through_router.py, 150 requests per seed) group-blind still realized 2-5
+points more reuse than `hybrid` on the seeds measured: see the closing notes of the real-vLLM
+issue; the gap there is within the seed-to-seed spread the spec reports, but it is not closed.
 """
 
 
