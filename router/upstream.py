@@ -220,7 +220,8 @@ class _Conn(asyncio.Protocol):
         return data
 
     async def write(self, data: bytes) -> None:
-        assert self.transport is not None
+        if self.transport is None or self.closed:
+            raise UpstreamError("the connection to the replica is closed", received=False)
         self.transport.write(data)
         if self._drain is not None and not self._drain.done():
             await self._drain
