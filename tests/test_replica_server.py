@@ -41,9 +41,11 @@ MAX_LEN = 1024
 class Replica:
     """A replica served by uvicorn on a thread (its own event loop), on an ephemeral port."""
 
-    def __init__(self, num_blocks: int = 512, max_model_len: int = MAX_LEN) -> None:
+    def __init__(
+        self, num_blocks: int = 512, max_model_len: int = MAX_LEN, pool: Any = None
+    ) -> None:
         self.publisher = EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
-        self.pool = make_pool(num_blocks)
+        self.pool = make_pool(num_blocks) if pool is None else pool
         self.engine = Engine(self.pool, self.publisher, cost=CostModel(time_scale=0.01))
         info = ReplicaInfo(
             model_name=MODEL,
