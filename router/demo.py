@@ -162,8 +162,21 @@ class Procs:
             log.close()
         self.procs.clear()
 
+    def signal_all(self, sig: int) -> None:
+        """Send ``sig`` to every process group now, without waiting (safe in a handler)."""
+        for _, proc, _ in list(self.procs):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+
     def pids(self) -> list[int]:
         return [p.pid for _, p, _ in self.procs]
+
+
+def _force_exit(procs: Procs) -> None:
+    """Last resort after an interrupt: kill what is left and leave with Ctrl-C's status."""
+    procs.signal_all(signal.SIGKILL)
+    os._exit(130)
 
 
 def _read_endpoints(proc: subprocess.Popen[str], name: str, timeout: float) -> dict[str, str]:
@@ -570,10 +583,17 @@ def run(args: argparse.Namespace) -> int:
     )
     procs = Procs(out_dir)
 
-    def on_term(sig: int, frame: Any) -> None:
+    def on_signal(sig: int, frame: Any) -> None:
+        # Stop the children from the handler itself, whatever the main code is blocked in,
+        # and make sure this process ends even if unwinding hangs (Ctrl-C must stop it all).
+        procs.signal_all(signal.SIGTERM)
+        watchdog = threading.Timer(20.0, _force_exit, args=(procs,))
+        watchdog.daemon = True
+        watchdog.start()
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, on_term)
+    old = signal.signal(signal.SIGTERM, on_signal)
+    old_int = signal.signal(signal.SIGINT, on_signal)
     rows: list[dict[str, Any]] = []
     try:
         for p in policies:
@@ -590,6 +610,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         procs.stop_all()
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
     doc = {
         "command": "kvrouter demo " + " ".join(sys.argv[2:]),
         "layout": args.layout,

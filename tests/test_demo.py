@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -46,28 +47,35 @@ def _wait_for(cond, timeout: float) -> bool:
 
 def test_tiny_demo_compares_policies_and_leaves_no_process(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    proc = subprocess.run(
-        [
-            *KVROUTER,
-            "demo",
-            "--replicas",
-            "2",
-            "--requests",
-            "20",
-            "--duration",
-            "2",
-            "--policies",
-            "kv,round_robin",
-            "--trace",
-            "synthetic",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    try:
+        proc = subprocess.run(
+            [
+                *KVROUTER,
+                "demo",
+                "--replicas",
+                "2",
+                "--requests",
+                "20",
+                "--duration",
+                "2",
+                "--policies",
+                "kv,round_robin",
+                "--trace",
+                "synthetic",
+                "--out",
+                str(out),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        # The demo was killed: do not leave its children running for the next tests.
+        for pid in _pids(out) if (out / "pids.txt").exists() else []:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        raise
     assert proc.returncode == 0, proc.stderr
     assert "done   20/20" in proc.stdout  # live progress lines
     assert str(out) in proc.stdout  # the output folder is named at the end
@@ -117,5 +125,8 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+            for pid in _pids(out):  # never leave a demo's children behind for the next tests
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
     assert code == 130
     assert not [p for p in _pids(out) if _alive(p)]
