@@ -120,7 +120,8 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         # Interrupt once the replicas and the router are running (the router is third).
         assert _wait_for(lambda: (out / "pids.txt").exists() and len(_pids(out)) >= 3, 60)
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(30)
+        stdout, stderr = proc.communicate(timeout=30)
+        code = proc.returncode
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -128,5 +129,5 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
             for pid in _pids(out):  # never leave a demo's children behind for the next tests
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
-    assert code == 130
+    assert code == 130, (stdout[-2000:], stderr[-2000:])
     assert not [p for p in _pids(out) if _alive(p)]
