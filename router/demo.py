@@ -594,6 +594,8 @@ def _run(args: argparse.Namespace) -> int:
     def on_signal(sig: int, frame: Any) -> None:
         # Stop the children from the handler itself, whatever the main code is blocked in,
         # and make sure this process ends even if unwinding hangs (Ctrl-C must stop it all).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one interrupt is enough: the
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stop below and the watchdog finish it
         procs.signal_all(signal.SIGTERM)
         watchdog = threading.Timer(20.0, _force_exit, args=(procs,))
         watchdog.daemon = True
