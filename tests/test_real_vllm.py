@@ -41,7 +41,7 @@ def stack():
 
 
 def test_predictions_equal_cached_tokens_and_swa_only_eviction_is_seen(stack) -> None:
-    from bench.real_vllm.exactness import words, workload
+    from bench.real_vllm.exactness import Req, words, workload
     from bench.real_vllm.through_router import prime, settle, stream_request
 
     fleet, client, admin = stack
@@ -50,7 +50,6 @@ def test_predictions_equal_cached_tokens_and_swa_only_eviction_is_seen(stack) ->
     settle(admin, 0.5)
     history: list = []
     rows = []
-    prefixes = []
     for req in workload(rng, 48, history):
         # vLLM publishes a request's events before its response, but a loaded machine can
         # hold them for hundreds of ms on the way (seen: 0.6 s): wait for a quiet second.
@@ -62,24 +61,34 @@ def test_predictions_equal_cached_tokens_and_swa_only_eviction_is_seen(stack) ->
         rows.append((req.kind, replica, row["hit_tokens"], cached, row["spec_group_hits"]))
         if req.prompt_ids is not None:
             history.append((req.prompt_ids, words(rng, 8)))
-            if req.kind == "prefix":
-                prefixes.append(req.prompt_ids)
     misses = [r for r in rows if r[2] != r[3]]
     assert not misses, misses
     assert any(r[3] > 0 for r in rows), "no request hit the cache: the workload proves nothing"
     # Both groups take part: some hit was limited by the sliding-window group.
     assert any(r[4].get("sliding_window[0]", 0) < r[4].get("full_attention[1]", 0) for r in rows)
-    # A flood evicts sliding-window checkpoints while full-attention blocks of the same prefix
-    # stay: the admin API shows a replica whose group-blind hit exceeds its hybrid hit.
-    settle(admin, 1.0)
-    seen = False
-    for p in prefixes:
-        exp = admin.post("/admin/route/explain", json={"model": MODEL, "token_ids": p}).json()
-        for r in exp["replicas"]:
-            if (r.get("group_blind_hit_tokens") or 0) > r["hit_tokens"]:
-                assert r["limiting_group"] == "sliding_window[0]"
-                seen = True
-    assert seen, "no sliding-window-only eviction observed"
+    # Floods evict a prompt's sliding-window checkpoint while full-attention blocks of its
+    # prefix survive: the admin API then shows a group-blind hit above the hybrid one, limited
+    # by the sliding-window group. Drive it: one long prompt, then small floods to its replica
+    # (a large one can evict the whole prompt at once, between two looks).
+    prompt = [2, *words(rng, 1000)]
+    replica, _, _, _ = stream_request(client, Req("probe", prompt))
+    url = next(r.url for r in fleet.replicas if r.name == replica)
+    seen = None
+    for _ in range(60):
+        httpx.post(
+            f"{url}/v1/completions",
+            json={"model": MODEL, "prompt": [2, *words(rng, 200)], "max_tokens": 1},
+            timeout=60,
+        ).raise_for_status()
+        settle(admin, 0.5)
+        exp = admin.post("/admin/route/explain", json={"model": MODEL, "token_ids": prompt})
+        row = next(x for x in exp.json()["replicas"] if x["replica"] == replica)
+        if (row.get("group_blind_hit_tokens") or 0) > row["hit_tokens"]:
+            seen = row
+            break
+    assert seen is not None, "no sliding-window-only eviction observed"
+    assert seen["limiting_group"] == "sliding_window[0]"
+    assert seen["spec_group_hits"]["full_attention[1]"] > seen["hit_tokens"]
 
 
 def test_wire_check_tail_decodes_everything_and_replay_from_zero_matches_live(stack) -> None:
