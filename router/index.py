@@ -149,6 +149,10 @@ class _Replica:
     for lost events, false for wrong settings, which only a config fix cures."""
     group_aware: bool | None = None
     roots_seen: int = 0
+    blocks: int = 0
+    """Keys this replica holds (all tiers and groups), kept as events apply so stats are O(1)."""
+    extra: int = 0
+    """Physical copies beyond the first, likewise."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             (
@@ -363,6 +367,7 @@ class KVIndex:
         bit, slot, counters = rep.bit, rep.slot, rep.counters
         tiers = self._tiers
         entries = self.entries
+        held = rep.blocks
         for ev in events:
             cls = type(ev)
             if cls is BlockStored or cls is LazyTokensBlockStored:
@@ -403,10 +408,12 @@ class KVIndex:
                         k = (slot, h)
                         extra[k] = extra.get(k, 1) + 1
                         self.extra_entries += 1
+                        rep.extra += 1
                     else:
                         if not m:
                             entries += 1
                         table[h] = m | bit
+                        held += 1
                 counters["stored_blocks"] += len(ev.block_hashes)
             elif cls is BlockRemoved:
                 g = ev.group_idx if ev.group_idx is not None else 0
@@ -420,12 +427,14 @@ class KVIndex:
                     c = extra.get(k)
                     if c is not None:
                         self.extra_entries -= 1
+                        rep.extra -= 1
                         if c == 2:
                             del extra[k]
                         else:
                             extra[k] = c - 1
                         continue
                     m &= ~bit
+                    held -= 1
                     if m:
                         table[h] = m
                     else:
@@ -435,7 +444,7 @@ class KVIndex:
             elif cls is AllBlocksCleared:
                 self.entries = entries
                 self._wipe(rep)
-                entries = self.entries
+                entries, held = self.entries, 0
                 counters["clears"] += 1
                 if not rep.trusted and rep.recoverable:
                     # A reset is a known state: the stream is usable again (§5.4).
@@ -451,6 +460,7 @@ class KVIndex:
             else:
                 raise TypeError(f"not a KV event: {ev!r}")
         self.entries = entries
+        rep.blocks = held
         self.generation += 1
         if self.nbytes() > self.limits.max_bytes:
             while self.entries and self.nbytes() > 0.9 * self.limits.max_bytes:
@@ -557,6 +567,7 @@ class KVIndex:
                 self.entries -= len(dead)
                 for k in [k for k in extra if k[0] == slot]:
                     self.extra_entries -= extra.pop(k) - 1
+        rep.blocks = rep.extra = 0
         self.generation += 1
 
     def _reclaim(self) -> None:
@@ -570,14 +581,18 @@ class KVIndex:
             key=lambda te: len(te[0]),
         )
         victims = list(itertools.islice(table, max(1, len(table) // 10)))
+        by_slot = {rep.slot: rep for rep in self._replicas.values()}
         for h in victims:
             m = table.pop(h)
-            if extra:
-                for slot in range(self._next_slot):
-                    if m >> slot & 1:
-                        c = extra.pop((slot, h), None)
-                        if c is not None:
-                            self.extra_entries -= c - 1
+            while m:
+                low = m & -m
+                m ^= low
+                rep = by_slot[low.bit_length() - 1]
+                rep.blocks -= 1
+                c = extra.pop((rep.slot, h), None)
+                if c is not None:
+                    self.extra_entries -= c - 1
+                    rep.extra -= c - 1
         self.entries -= len(victims)
         self.reclaimed += len(victims)
         log.warning(
@@ -609,22 +624,18 @@ class KVIndex:
         return self.entries * _KEY_BYTES + self.extra_entries * _EXTRA_BYTES
 
     def stats(self) -> list[ReplicaStats]:
+        """Per replica: trust, held keys and copies, and every ingest counter. O(replicas),
+        so the metrics scrape and the admin API can call it on every request."""
         out = []
         for rep in self._replicas.values():
-            blocks = 0
-            extra_copies = 0
-            for t in self._tiers.values():
-                for table, extra in zip(t.tables, t.extra, strict=True):
-                    blocks += sum(1 for m in table.values() if m & rep.bit)
-                    extra_copies += sum(c - 1 for (s, _), c in extra.items() if s == rep.slot)
             out.append(
                 ReplicaStats(
                     replica=rep.name,
                     dp_rank=rep.dp_rank,
                     trusted=rep.trusted,
                     untrusted_reason=rep.untrusted_reason,
-                    blocks=blocks,
-                    extra_copies=extra_copies,
+                    blocks=rep.blocks,
+                    extra_copies=rep.extra,
                     group_aware=rep.group_aware,
                     **rep.counters,
                 )

@@ -321,3 +321,33 @@ def test_layout_files_write_none_retention_as_a_string() -> None:
     assert msgspec.toml.decode(text, type=ModelLayout).retention_interval is None
     with pytest.raises(msgspec.ValidationError):
         msgspec.toml.decode(b'retention_interval = "dense"\ngroups = []\n', type=ModelLayout)
+
+
+def test_incremental_replica_counts_equal_a_full_scan() -> None:
+    """stats() keeps per-replica counts as events apply; they must equal a scan of the tables."""
+    rng = random.Random(11)
+    index = make(limits=IndexLimits(max_bytes=72 * 150))  # small: reclaim runs too
+    for _ in range(4000):
+        key = rng.choice([A, B])
+        g = rng.randrange(2)
+        tier = rng.choice(["GPU", "CPU"])
+        kind = "full_attention" if g == 0 else "sliding_window"
+        h = rng.randrange(300)
+        r = rng.random()
+        if r < 0.55:
+            index.apply_events(key, [stored([h], g, kind, medium=tier, parent=1)])
+        elif r < 0.995:
+            index.apply_events(key, [removed([h], g, tier)])
+        else:
+            index.apply_events(key, [AllBlocksCleared()])
+    assert index.reclaimed > 0
+    for s in index.stats():
+        bit = index.slot_bit((s.replica, s.dp_rank))
+        slot = bit.bit_length() - 1
+        blocks = extra = 0
+        for tier in ("GPU", "CPU"):
+            for g in range(2):
+                blocks += sum(1 for m in index.table(tier, g).values() if m & bit)
+                t = index._tiers[tier]
+                extra += sum(c - 1 for (sl, _), c in t.extra[g].items() if sl == slot)
+        assert (s.blocks, s.extra_copies) == (blocks, extra)
