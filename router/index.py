@@ -300,7 +300,10 @@ class KVIndex:
 
     def _learn(self, rep: _Replica, ev: BlockStored, g: int) -> str | None:
         """Check a store's group metadata against the pool; returns a conflict or None."""
-        where = f"pool {self.pool!r} replica {rep.name}/dp{rep.dp_rank} group {g}"
+
+        def where() -> str:  # built only when there is something to report (hot path)
+            return f"pool {self.pool!r} replica {rep.name}/dp{rep.dp_rank} group {g}"
+
         if ev.group_idx is None:
             kind = GroupKind.FULL_ATTENTION
         else:
@@ -309,24 +312,26 @@ class KVIndex:
         declared = self.declared.groups
         if declared:
             if g >= len(declared):
-                return str(LayoutConflict("group count", len(declared), g + 1, where))
+                return str(LayoutConflict("group count", len(declared), g + 1, where()))
             spec = declared[g]
             if ev.group_idx is not None and ev.kv_cache_spec_kind is not None:
                 if kind != spec.kind and not (kind == GroupKind.FULL_ATTENTION and spec.is_fa_type):
-                    return str(LayoutConflict("kv_cache_spec_kind", spec.kind.value, kind, where))
+                    return str(LayoutConflict("kv_cache_spec_kind", spec.kind.value, kind, where()))
                 if window is not None and window != spec.sliding_window:
-                    return str(LayoutConflict("sliding_window", spec.sliding_window, window, where))
+                    return str(
+                        LayoutConflict("sliding_window", spec.sliding_window, window, where())
+                    )
             if ev.block_size > spec.block_size:
-                return str(LayoutConflict("block_size", spec.block_size, ev.block_size, where))
+                return str(LayoutConflict("block_size", spec.block_size, ev.block_size, where()))
             return None
         if kind == GroupKind.UNKNOWN:
             return (
-                f"{where}: kv_cache_spec_kind is {ev.kv_cache_spec_kind!r}; kvrouter cannot "
+                f"{where()}: kv_cache_spec_kind is {ev.kv_cache_spec_kind!r}; kvrouter cannot "
                 f"learn this group's hit rule: declare the pool's groups in the config"
             )
         if kind == GroupKind.CHUNKED_LOCAL_ATTENTION:
             return (
-                f"{where}: chunked_local_attention needs attention_chunk_size, which events "
+                f"{where()}: chunked_local_attention needs attention_chunk_size, which events "
                 f"do not carry: declare the pool's groups in the config"
             )
         if ev.block_size <= 0:
@@ -335,15 +340,15 @@ class KVIndex:
         if known is None or ev.block_size > known.block_size:
             if known is not None and (known.kind != kind or known.sliding_window != window):
                 return str(
-                    LayoutConflict("kv_cache_spec_kind", known.kind.value, kind.value, where)
+                    LayoutConflict("kv_cache_spec_kind", known.kind.value, kind.value, where())
                 )
             self._learned[g] = GroupSpec(kind=kind, block_size=ev.block_size, sliding_window=window)
-            self._relearn(where)
+            self._relearn(where())
             return None
         if known.kind != kind:
-            return str(LayoutConflict("kv_cache_spec_kind", known.kind.value, kind.value, where))
+            return str(LayoutConflict("kv_cache_spec_kind", known.kind.value, kind.value, where()))
         if known.sliding_window != window:
-            return str(LayoutConflict("sliding_window", known.sliding_window, window, where))
+            return str(LayoutConflict("sliding_window", known.sliding_window, window, where()))
         return None
 
     def _relearn(self, where: str) -> None:
