@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 
@@ -24,7 +25,16 @@ from router.index import KVIndex, ReplicaStats
 from router.layout import HashSettings, ModelLayout
 from router.predict import Predictor
 
-__all__ = ["RecordingError", "ReplayRow", "ReplaySummary", "add_arguments", "replay", "run"]
+__all__ = [
+    "RecordedBatch",
+    "RecordingError",
+    "ReplayRow",
+    "ReplaySummary",
+    "add_arguments",
+    "load_events",
+    "replay",
+    "run",
+]
 
 _EventT = BlockStored | BlockRemoved | AllBlocksCleared
 
@@ -102,10 +112,17 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield lineno, line
 
 
-def _load_events(path: Path) -> list[tuple[int, list[_EventT]]]:
-    """Group a replica's events into its batches, in file order."""
+class RecordedBatch(NamedTuple):
+    seq: int
+    ts: float | None
+    """The batch's publish time, when the recording kept it (``"ts"`` on its lines)."""
+    events: list[_EventT]
+
+
+def load_events(path: Path) -> list[RecordedBatch]:
+    """Group a replica's recorded events into its batches, in file order."""
     line_dec = msgspec.json.Decoder(dict)
-    batches: list[tuple[int, list[_EventT]]] = []
+    batches: list[RecordedBatch] = []
     for lineno, line in _read_jsonl(path):
         try:
             rec = line_dec.decode(line)
@@ -113,15 +130,15 @@ def _load_events(path: Path) -> list[tuple[int, list[_EventT]]]:
             ev = msgspec.convert(rec["event"], _EventT)
         except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError) as exc:
             raise RecordingError(f"{path}:{lineno}: not an event record: {exc}") from None
-        if batches and batches[-1][0] == seq:
-            batches[-1][1].append(ev)
-        elif batches and seq < batches[-1][0]:
+        if batches and batches[-1].seq == seq:
+            batches[-1].events.append(ev)
+        elif batches and seq < batches[-1].seq:
             raise RecordingError(
-                f"{path}:{lineno}: seq {seq} after {batches[-1][0]}: a recording must be in "
+                f"{path}:{lineno}: seq {seq} after {batches[-1].seq}: a recording must be in "
                 f"stream order (a replica restart needs a new recording)"
             )
         else:
-            batches.append((seq, [ev]))
+            batches.append(RecordedBatch(seq, rec.get("ts"), [ev]))
     return batches
 
 
@@ -159,7 +176,7 @@ def replay(directory: Path, *, layout: ModelLayout | None = None) -> ReplaySumma
         path = directory / f"events-{name}.jsonl"
         if not path.exists():
             raise RecordingError(f"{path} is missing: meta.json lists replica {name!r}")
-        streams[name] = _load_events(path)
+        streams[name] = load_events(path)
         index.add_replica(name)
     applied = dict.fromkeys(meta.replicas, 0)  # position in each replica's batch list
 
@@ -178,8 +195,8 @@ def replay(directory: Path, *, layout: ModelLayout | None = None) -> ReplaySumma
             )
         batches, key = streams[req.replica], (req.replica, 0)
         pos = applied[req.replica]
-        while pos < len(batches) and batches[pos][0] < req.batches_before:
-            index.apply_events(key, batches[pos][1])
+        while pos < len(batches) and batches[pos].seq < req.batches_before:
+            index.apply_events(key, batches[pos].events)
             pos += 1
         applied[req.replica] = pos
         pred = predictor.predict(

@@ -38,13 +38,14 @@ import msgspec
 
 from bench.real_vllm.model import word
 from bench.real_vllm.replicas import VllmFleet
-from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
+from events.schema import BlockRemoved
 from events.stream import StreamBatch, StreamSpec
 from events.subscriber import Subscriber
 from router.index import KVIndex
 from router.ingest import IndexFeeder
 from router.layout import ModelLayout
 from router.predict import Predictor
+from router.replay import load_events
 from router.tokenize import LocalTokenizer
 
 MODEL = "tiny-hybrid"
@@ -343,17 +344,10 @@ def classify(directory: Path, rows: list[Row]) -> None:
     and admission: blocks evicted (prediction too high) or stored by a request in flight
     (too low). Otherwise the miss stays unexplained -- a bug to find.
     """
-    streams: dict[str, list[tuple[int, float, list]]] = {}
-    for path in directory.glob("events-*.jsonl"):
-        batches: list[tuple[int, float, list]] = []
-        for line in path.read_bytes().splitlines():
-            rec = msgspec.json.decode(line)
-            ev = msgspec.convert(rec["event"], BlockStored | BlockRemoved | AllBlocksCleared)
-            if batches and batches[-1][0] == rec["seq"]:
-                batches[-1][2].append(ev)
-            else:
-                batches.append((rec["seq"], rec.get("ts", 0.0), [ev]))
-        streams[path.stem.removeprefix("events-")] = batches
+    streams = {
+        path.stem.removeprefix("events-"): load_events(path)
+        for path in directory.glob("events-*.jsonl")
+    }
     prompts = {}
     for line in (directory / "requests.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -366,13 +360,14 @@ def classify(directory: Path, rows: list[Row]) -> None:
         predictor = Predictor(index)
         batches = streams[row.replica]
         pos = 0
-        while pos < len(batches) and batches[pos][0] < row.batches_before:
-            index.apply_events(key, batches[pos][2])
+        while pos < len(batches) and batches[pos].seq < row.batches_before:
+            index.apply_events(key, batches[pos].events)
             pos += 1
         row.cause = "unexplained"
         while pos < len(batches):
             _seq, ts, events = batches[pos]
             index.apply_events(key, events)
+            ts = ts or 0.0
             pos += 1
             if predictor.predict(prompts[row.i]).replicas[0].hit_tokens == row.actual:
                 if ts <= row.predicted_at:
