@@ -64,41 +64,32 @@ def make_sequences(n_seqs: int, seq_blocks: int, rng: random.Random) -> list[lis
 
 def store_events(wire: list[int], token_ids: list[int], per_event: int) -> list[BlockStored]:
     """The FA events (dense) and the SWA checkpoint events vLLM would emit for a prompt."""
-    n = len(wire)
-    events: list[BlockStored] = []
-    for start in range(0, n, per_event):
-        end = min(n, start + per_event)
-        events.append(
-            BlockStored(
-                block_hashes=wire[start:end],
-                parent_block_hash=wire[start - 1] if start else None,
-                token_ids=token_ids[start * BLOCK : end * BLOCK],
-                block_size=BLOCK,
-                lora_id=None,
-                medium="GPU",
-                lora_name=None,
-                group_idx=0,
-                kv_cache_spec_kind="full_attention",
-            )
-        )
     boundary = (len(token_ids) - 1) // BLOCK  # blocks below the replay boundary
-    tail = range(max(0, boundary - NEED), boundary)
-    for start in range(tail.start, tail.stop, per_event):
-        end = min(tail.stop, start + per_event)
-        events.append(
-            BlockStored(
-                block_hashes=wire[start:end],
-                parent_block_hash=wire[start - 1] if start else None,
-                token_ids=token_ids[start * BLOCK : end * BLOCK],
-                block_size=BLOCK,
-                lora_id=None,
-                medium="GPU",
-                lora_name=None,
-                group_idx=1,
-                kv_cache_spec_kind="sliding_window",
-                kv_cache_spec_sliding_window=WINDOW,
+    ranges = (
+        (range(len(wire)), 0, {"kv_cache_spec_kind": "full_attention"}),
+        (
+            range(max(0, boundary - NEED), boundary),
+            1,
+            {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": WINDOW},
+        ),
+    )
+    events: list[BlockStored] = []
+    for blocks, group, kind in ranges:
+        for start in range(blocks.start, blocks.stop, per_event):
+            end = min(blocks.stop, start + per_event)
+            events.append(
+                BlockStored(
+                    block_hashes=wire[start:end],
+                    parent_block_hash=wire[start - 1] if start else None,
+                    token_ids=token_ids[start * BLOCK : end * BLOCK],
+                    block_size=BLOCK,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                    group_idx=group,
+                    **kind,
+                )
             )
-        )
     return events
 
 
