@@ -16,7 +16,11 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
 * ``pending_prefill_tokens`` are the uncached prompt tokens of the requests the router sent
   there that have not produced a first byte yet: the prefill the replica still owes.
 * ``running``/``waiting``/``kv_usage`` come from the replica's ``/metrics`` (None: unknown,
-  treated as 0 but ``router_in_flight`` still counts).
+  treated as 0 but ``router_in_flight`` still counts). The service passes ``running`` as its
+  own in-flight count now plus other clients' running requests at the last scrape, and
+  ``waiting`` as other clients' waiting requests (router.service.others_load): a raw scraped
+  count is up to a scrape interval old and kept pushing sequential requests off the replica
+  that had just cached their prefix.
 * **Look ahead.** ``fa_prefix_tokens`` is the longest single-group hit (``HitResult.longest``:
   what the full-attention group alone holds). When a request's hit is limited by a sliding
   window group, vLLM pins ``shared_prefix_boundary`` at that junction and stores a window

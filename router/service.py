@@ -67,6 +67,14 @@ class ReplicaState:
     pending_prefill: dict[int, int] = field(default_factory=dict)
     running: dict[int, float] = field(default_factory=dict)
     waiting: dict[int, float] = field(default_factory=dict)
+    """As the last ``/metrics`` scrape read them (per engine; -1: unlabelled)."""
+    others_running: dict[int, float] = field(default_factory=dict)
+    others_waiting: dict[int, float] = field(default_factory=dict)
+    """The scraped counts minus the router's own requests at the scrape: load from other
+    clients. The routing load is these plus the router's in-flight count *now*, so a request
+    that finished after the scrape stops weighing on the replica at once instead of up to a
+    scrape interval later (a stale count pushed sequential requests off the replica that had
+    just cached their prefix)."""
     kv_usage: dict[int, float] = field(default_factory=dict)
     scraped_at: float | None = None
     scrape_error: str | None = None
@@ -88,6 +96,8 @@ class ReplicaState:
             "pending_prefill_tokens": sum(self.pending_prefill.values()),
             "running": self.running or None,
             "waiting": self.waiting or None,
+            "others_running": self.others_running or None,
+            "others_waiting": self.others_waiting or None,
             "kv_usage": self.kv_usage or None,
             "scrape_error": self.scrape_error,
             "failures": self.failures,
@@ -241,6 +251,8 @@ class PoolState:
                     continue
                 h = hits.get(key)
                 res = h.result if h is not None else None
+                mine = rep.in_flight.get(r, 0)
+                others = _get(rep.others_running, r)
                 out.append(
                     Candidate(
                         key,
@@ -249,10 +261,10 @@ class PoolState:
                         tier_hits=h.tier_hits if h is not None else {},
                         blind_hit_tokens=h.blind_hit_tokens if h is not None else None,
                         trusted=h.trusted if h is not None else False,
-                        in_flight=rep.in_flight.get(r, 0),
+                        in_flight=mine,
                         pending_prefill_tokens=rep.pending_prefill.get(r, 0),
-                        running=_get(rep.running, r),
-                        waiting=_get(rep.waiting, r),
+                        running=None if others is None else mine + others,
+                        waiting=_get(rep.others_waiting, r),
                         kv_usage=_get(rep.kv_usage, r, avg=True),
                     )
                 )
@@ -341,6 +353,31 @@ def _get(d: dict[int, float], rank: int, avg: bool = False) -> Any:
     if rank in d:
         return d[rank]
     return d.get(-1)
+
+
+def others_load(
+    running: dict[int, float],
+    waiting: dict[int, float],
+    mine_before: dict[int, int],
+    mine_after: dict[int, int],
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Split a replica's scraped running/waiting counts into other clients' share.
+
+    The router's own requests at the scrape (the larger of its in-flight count before and
+    after the GET, so a request finishing meanwhile is not taken for someone else's) are
+    taken off ``running`` first and the remainder off ``waiting``. Unlabelled metrics (-1)
+    cover every rank."""
+    others_r: dict[int, float] = {}
+    others_w: dict[int, float] = {}
+    for eng in running.keys() | waiting.keys():
+        if eng == -1:
+            mine = max(sum(mine_before.values()), sum(mine_after.values()))
+        else:
+            mine = max(mine_before.get(eng, 0), mine_after.get(eng, 0))
+        run = running.get(eng, 0.0)
+        others_r[eng] = max(0.0, run - mine)
+        others_w[eng] = max(0.0, waiting.get(eng, 0.0) - max(0.0, mine - run))
+    return others_r, others_w
 
 
 _METRIC = re.compile(
@@ -432,6 +469,7 @@ class RouterState:
             path = rep.cfg.metrics_path
             if path is None:
                 return
+            before = dict(rep.in_flight)
             try:
                 r = await rep.client.get(path, timeout=self.config.server.connect_timeout_s)
                 r.raise_for_status()
@@ -443,6 +481,9 @@ class RouterState:
                 parsed["running"],
                 parsed["waiting"],
                 parsed["kv_usage"],
+            )
+            rep.others_running, rep.others_waiting = others_load(
+                parsed["running"], parsed["waiting"], before, rep.in_flight
             )
             rep.scraped_at = time.time()
             rep.scrape_error = None

@@ -53,6 +53,8 @@ class FakeReplica:
         self.fail_status: int | None = None
         self.die_after_chunks: int | None = None
         self.lie_by = 0
+        self.others_running = 0
+        """Running requests of other clients that ``/metrics`` reports on top of the router's."""
         self.requests = 0
         self.last_headers: dict[str, str] = {}
         self.app = self._build()
@@ -181,7 +183,8 @@ class FakeReplica:
         @app.get("/metrics")
         async def metrics() -> Response:
             text = (
-                f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} 0.0\n'
+                f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} '
+                f"{float(self.others_running)}\n"
                 f'vllm:num_requests_waiting{{engine="0",model_name="{self.model}"}} 0.0\n'
                 f'vllm:kv_cache_usage_perc{{engine="0",model_name="{self.model}"}} 0.1\n'
             )

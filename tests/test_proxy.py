@@ -72,6 +72,7 @@ class Cluster:
             fake.fail_status = None
             fake.die_after_chunks = None
             fake.lie_by = 0
+            fake.others_running = 0
         for name in self.fakes:
             self.http.post(f"/admin/replicas/{name}/undrain", headers=self.admin)
 

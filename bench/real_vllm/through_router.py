@@ -52,6 +52,9 @@ class PolicyResult:
     p90_ttft_ms: float = 0.0
     per_replica: dict[str, int] = field(default_factory=dict)
     misses: list[dict] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+    """Per request: what the policy saw for every replica, where it went, what vLLM reused
+    (for ``--compare``: the same request sequence under two policies, decision by decision)."""
 
 
 def router_config(fleet: VllmFleet, policy: str, port: int, retention: int | None) -> str:
@@ -134,6 +137,59 @@ def stream_request(client: httpx.Client, req: Req) -> tuple[str, int, int, float
     return replica.split("/")[0], cached, usage["prompt_tokens"], ttft or 0.0
 
 
+def decision_record(i: int, kind: str, exp: dict, replica: str, cached: int) -> dict:
+    """The explain rows cut to what decides: hits per group, group-blind hit, load, cost."""
+    rows = {}
+    for x in exp["replicas"]:
+        score, load = x.get("score") or {}, x.get("load") or {}
+        rows[x["replica"]] = {
+            "hit": x.get("hit_tokens", 0),
+            "groups": list((x.get("spec_group_hits") or {}).values()),
+            "blind": x.get("group_blind_hit_tokens") or 0,
+            "running": load.get("running"),
+            "waiting": load.get("waiting"),
+            "queued": score.get("queued"),
+            "cost": score.get("cost"),
+        }
+    return {
+        "i": i,
+        "kind": kind,
+        "num_tokens": exp["num_tokens"],
+        "tied": exp["tied"],
+        "explained": exp["chosen"]["replica"],
+        "chosen": replica,
+        "cached": cached,
+        "rows": rows,
+    }
+
+
+def compare(a: PolicyResult, b: PolicyResult, limit: int = 40) -> None:
+    """Decision by decision, where two runs of the same sequence went different ways."""
+    ra = rb = 0
+    shown = 0
+    print(f"\n{a.policy} vs {b.policy}: requests routed differently (cum. cached tokens)")
+    for da, db in zip(a.decisions, b.decisions, strict=False):
+        ra += da["cached"]
+        rb += db["cached"]
+        if da["chosen"] == db["chosen"] and da["cached"] == db["cached"]:
+            continue
+        if shown < limit:
+
+            def side(d: dict) -> str:
+                rows = " ".join(
+                    f"{n}:h{r['hit']}/b{r['blind']}/q{r['queued']:.0f}"
+                    for n, r in sorted(d["rows"].items())
+                )
+                return f"->{d['chosen']} got {d['cached']:>4} [{rows}] tied {d['tied']}"
+
+            print(f"  #{da['i']:>3} {da['kind']:<16} n={da['num_tokens']:>5}")
+            print(f"      {a.policy:<18} {side(da)}")
+            print(f"      {b.policy:<18} {side(db)}")
+            print(f"      cumulative cached: {ra} vs {rb} ({ra - rb:+d})")
+        shown += 1
+    print(f"  {shown} requests differ; total cached {ra} vs {rb} ({ra - rb:+d})")
+
+
 @contextlib.contextmanager
 def router_process(
     fleet: VllmFleet, policy: str, port: int, retention: int | None
@@ -211,6 +267,7 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
             replica, cached, prompt_tokens, ttft = stream_request(client, req)
             row = next(x for x in exp["replicas"] if x["replica"] == replica)
             pred, blind = row.get("hit_tokens", 0), row.get("group_blind_hit_tokens") or 0
+            res.decisions.append(decision_record(i, req.kind, exp, replica, cached))
             errs.append(pred - cached)
             berrs.append(blind - cached)
             ttfts.append(ttft)
@@ -251,6 +308,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quiet", type=float, default=0.5, help="seconds without events first")
     ap.add_argument("--base-port", type=int, default=18300)
+    ap.add_argument(
+        "--compare", action="store_true", help="print where the first policy's decisions differ"
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/real_vllm_routing.json"))
     args = ap.parse_args()
     results = [run_policy(p, args) for p in args.policies]
@@ -262,6 +322,9 @@ def main() -> int:
         print(f"{r.policy:<20} {r.exact:>4}/{r.requests:<4} {r.max_abs_error:>8} "
               f"{100 * r.reuse:>6.1f}% {r.mean_ttft_ms:>8.1f}ms {r.p90_ttft_ms:>7.1f}ms  "
               f"{r.per_replica}")  # fmt: skip
+    if args.compare:
+        for r in results[1:]:
+            compare(results[0], r)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
     old[f"seed={args.seed} retention={args.retention_interval or 0}"] = [asdict(r) for r in results]
