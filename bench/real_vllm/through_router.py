@@ -45,6 +45,12 @@ class PolicyResult:
     mean_abs_error: float = 0.0
     max_abs_error: int = 0
     blind_exact: int = 0
+    tied: int = 0
+    """Decisions where several replicas tied for the best cost (picked at random)."""
+    below_best_hit: int = 0
+    below_best_blind: int = 0
+    """Decisions that went to a replica whose exact (group-blind) hit was below another's:
+    where this policy disagreed with greedy exact (group-blind) routing on the same state."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     reuse: float = 0.0
@@ -57,7 +63,12 @@ class PolicyResult:
     (for ``--compare``: the same request sequence under two policies, decision by decision)."""
 
 
-def router_config(fleet: VllmFleet, policy: str, port: int, retention: int | None) -> str:
+def router_config(
+    fleet: VllmFleet, policy: str, port: int, retention: int | None, tie_seed: int | None = None
+) -> str:
+    """``policy`` is a policy name, or ``kv@W`` for the kv policy with ``lookahead_weight`` W;
+    ``tie_seed`` makes the random tie-breaks reproducible."""
+    name, _, weight = policy.partition("@")
     lines = [
         "[server]",
         'host = "127.0.0.1"',
@@ -74,8 +85,12 @@ def router_config(fleet: VllmFleet, policy: str, port: int, retention: int | Non
         "]",
         f"retention_interval = {retention if retention is not None else 0}",
         "[pools.policy]",
-        f'name = "{policy}"',
+        f'name = "{name}"',
     ]
+    if weight:
+        lines.append(f"lookahead_weight = {float(weight)}")
+    if tie_seed is not None:
+        lines.append(f"seed = {tie_seed}")
     for r in fleet.replicas:
         lines += [
             "[[pools.replicas]]",
@@ -192,12 +207,12 @@ def compare(a: PolicyResult, b: PolicyResult, limit: int = 40) -> None:
 
 @contextlib.contextmanager
 def router_process(
-    fleet: VllmFleet, policy: str, port: int, retention: int | None
+    fleet: VllmFleet, policy: str, port: int, retention: int | None, tie_seed: int | None = None
 ) -> Iterator[tuple[httpx.Client, httpx.Client]]:
     """``kvrouter serve`` in front of the fleet, in its own process group; yields a client and
     an admin client (bearer token set), and stops exactly that process on exit."""
     cfg = fleet.workdir / f"router-{policy}.toml"
-    cfg.write_text(router_config(fleet, policy, port, retention))
+    cfg.write_text(router_config(fleet, policy, port, retention, tie_seed))
     log_path = fleet.workdir / f"router-{policy}.log"
     base = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
@@ -250,7 +265,10 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
     port = args.base_port + 90
     with (
         VllmFleet(2, args.base_port, args.retention_interval) as fleet,
-        router_process(fleet, policy, port, args.retention_interval) as (client, admin),
+        router_process(fleet, policy, port, args.retention_interval, args.tie_seed) as (
+            client,
+            admin,
+        ),
     ):
         prime(fleet, rng)
         settle(admin, 0.5)
@@ -297,6 +315,11 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
     res.reuse = res.cached_tokens / max(1, res.prompt_tokens)
     res.mean_ttft_ms = 1e3 * statistics.fmean(ttfts) if ttfts else 0.0
     res.p90_ttft_ms = 1e3 * sorted(ttfts)[int(0.9 * (len(ttfts) - 1))] if ttfts else 0.0
+    for d in res.decisions:
+        rows, mine = d["rows"], d["rows"][d["chosen"]]
+        res.tied += d["tied"] > 1
+        res.below_best_hit += mine["hit"] < max(r["hit"] for r in rows.values())
+        res.below_best_blind += mine["blind"] < max(r["blind"] for r in rows.values())
     return res
 
 
@@ -305,7 +328,10 @@ def main() -> int:
     ap.add_argument("--policies", nargs="+", default=["kv", "prefix_group_blind", "round_robin"])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--retention-interval", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1, help="the workload's seed")
+    ap.add_argument(
+        "--tie-seed", type=int, default=None, help="the router's tie-break seed (default random)"
+    )
     ap.add_argument("--quiet", type=float, default=0.5, help="seconds without events first")
     ap.add_argument("--base-port", type=int, default=18300)
     ap.add_argument(
@@ -317,17 +343,23 @@ def main() -> int:
     print(f"\nreal vLLM through kvrouter serve, {args.requests} sequential requests, seed "
           f"{args.seed}, retention {args.retention_interval or 0}")  # fmt: skip
     print(f"{'policy':<20} {'exact':>9} {'max|err|':>8} {'reuse':>7} {'TTFT mean':>10} "
-          f"{'TTFT p90':>9}  per replica")  # fmt: skip
+          f"{'TTFT p90':>9} {'tied':>5} {'<hit':>5} {'<blind':>6}  per replica")  # fmt: skip
     for r in results:
         print(f"{r.policy:<20} {r.exact:>4}/{r.requests:<4} {r.max_abs_error:>8} "
-              f"{100 * r.reuse:>6.1f}% {r.mean_ttft_ms:>8.1f}ms {r.p90_ttft_ms:>7.1f}ms  "
+              f"{100 * r.reuse:>6.1f}% {r.mean_ttft_ms:>8.1f}ms {r.p90_ttft_ms:>7.1f}ms "
+              f"{r.tied:>5} {r.below_best_hit:>5} {r.below_best_blind:>6}  "
               f"{r.per_replica}")  # fmt: skip
+    print(
+        "tied: decisions picked at random among equal costs; <hit / <blind: decisions sent "
+        "to a replica with a lower exact / group-blind hit than another"
+    )
     if args.compare:
         for r in results[1:]:
             compare(results[0], r)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
-    old[f"seed={args.seed} retention={args.retention_interval or 0}"] = [asdict(r) for r in results]
+    key = f"seed={args.seed} tie={args.tie_seed} retention={args.retention_interval or 0}"
+    old[key] = [asdict(r) for r in results]
     args.out.write_text(json.dumps(old, indent=2))
     print(f"JSON: {args.out}")
     return 0
