@@ -1,0 +1,267 @@
+"""kvrouter in front of simulated vLLM replicas, all in this process, over real loopback.
+
+Each :class:`SimReplica` is the simulated vLLM of ``kvrouter replica`` built in-process (as
+``tests/test_replica_server.py``'s ``Replica`` does, but over a hybrid pool): a
+:class:`gpu_emitter.block_pool.HybridBlockPool` (full attention + sliding window 48, 16-token
+blocks, vLLM's default retention 0) behind :class:`gpu_emitter.engine.Engine`, publishing its
+KV events on a real ZeroMQ :class:`events.publisher.EventPublisher` bound on 127.0.0.1, and
+served over HTTP by uvicorn on a thread. Its HTTP server can be stopped (the port then refuses
+connections) and started again on the same port over the same pool and publisher, so a test
+can kill a replica's front end and bring it back with its cache intact.
+
+:class:`SimCluster` starts three of them and the router (``router.service.create_app`` over
+``router.config.parse_config``) on its own uvicorn thread, subscribed to their events.
+Every server binds its own socket first (no free-port race) and is stopped with a deadline.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import httpx
+import uvicorn
+
+from events.publisher import EventPublisher
+from gpu_emitter.block_pool import HybridBlockPool
+from gpu_emitter.cli import _bind_http, event_source
+from gpu_emitter.cost_model import CostModel
+from gpu_emitter.engine import Engine
+from gpu_emitter.server import ReplicaInfo, create_app
+from router.config import RouterConfig, parse_config
+from router.layout import GroupKind, GroupSpec, ModelLayout
+from router.service import create_app as create_router_app
+from tests.zmq_helpers import LOOPBACK, wait_for
+
+__all__ = ["LAYOUT", "MODEL", "NAMES", "TOKEN", "SimCluster", "SimReplica"]
+
+MODEL = "sim-fa-swa"
+TOKEN = "sim-admin-token"
+NAMES = ("a", "b", "c")
+#: Full attention is group 0, the sliding window group 1 (as in config/layouts/fa_swa.toml,
+#: with a 48-token window so that need = ceil(47/16) = 3 blocks, spec §4.7).
+LAYOUT = ModelLayout(
+    groups=(
+        GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),
+        GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=48),
+    ),
+    retention_interval=0,
+)
+FA = "full_attention[0]"
+SWA = "sliding_window[1]"
+"""Spec-group names as ``/admin/route/explain`` prints them (router.predict)."""
+
+
+class ServedApp:
+    """An ASGI app served by uvicorn on a thread, on a socket bound before the thread starts
+    (``port=0``: any free port; a given port is re-bound with SO_REUSEADDR)."""
+
+    def __init__(self, app: Any, port: int = 0, timeout: float = 20.0) -> None:
+        # kvrouter replica's own listener: IPPROTO_TCP so asyncio sets TCP_NODELAY (no 40 ms
+        # Nagle stalls), SO_REUSEADDR so a stopped replica can take its port back.
+        self.sock = _bind_http("127.0.0.1", port)
+        self.port: int = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+        self.thread.start()
+        try:
+            wait_for(
+                lambda: self.server.started or not self.thread.is_alive(), timeout, "uvicorn start"
+            )
+            if not self.server.started:
+                raise RuntimeError(f"server on {self.url} exited during startup")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 20.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+        if self.thread.is_alive():
+            raise RuntimeError(f"server on {self.url} did not stop within {timeout}s")
+
+
+class SimReplica:
+    """One simulated hybrid vLLM replica (module docstring)."""
+
+    def __init__(self, name: str, num_blocks: int, max_model_len: int = 2048) -> None:
+        self.name = name
+        self.pool = HybridBlockPool(LAYOUT, num_blocks)
+        self.publisher = EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
+        # /kv_event_sources as ``kvrouter replica`` reports it
+        sources = [event_source(self.publisher, LOOPBACK, LOOPBACK)]
+        self.info = ReplicaInfo(MODEL, max_model_len, event_sources=sources)
+        self.http: ServedApp | None = None
+        self.port = 0
+        try:
+            self.start_http()
+        except BaseException:
+            self.publisher.close()
+            raise
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_http(self) -> None:
+        """Serve the pool over HTTP (again) on the same port. A fresh engine each time: an
+        engine stops with its server's lifespan; the pool, its cache and the publisher (with
+        its sequence numbers) carry over, as a restarted API front end over a live cache."""
+        if self.http is not None:
+            raise RuntimeError(f"replica {self.name} is already serving")
+        engine = Engine(self.pool, self.publisher, cost=CostModel(time_scale=0.01))
+        # No on_shutdown: the publisher must outlive an HTTP stop; close() closes it.
+        self.http = ServedApp(create_app(engine, self.info), self.port)
+        self.port = self.http.port
+
+    def stop_http(self) -> None:
+        """Stop the HTTP server: connections to its port are refused from then on. Call it
+        with no request in flight: the engine fails unfinished requests as it stops without
+        handing their blocks back to the pool."""
+        if self.http is not None:
+            http, self.http = self.http, None
+            http.stop()
+
+    def close(self) -> None:
+        self.client.close()
+        try:
+            self.stop_http()
+        finally:
+            self.publisher.close()
+
+
+def router_toml(replicas: dict[str, SimReplica]) -> str:
+    """The router's config: one pool, the layout declared (checked against every event), the
+    builtin tokenizer (the simulated replica's own), one entry per replica."""
+    groups = ", ".join(
+        f'{{kind = "{g.kind}", block_size = {g.block_size}'
+        + (f", sliding_window = {g.sliding_window}" if g.sliding_window else "")
+        + "}"
+        for g in LAYOUT.groups
+    )
+    lines = [
+        "[server]",
+        f'admin_token = "{TOKEN}"',
+        "metrics_scrape_interval_s = 0.5",
+        "[[pools]]",
+        f'model = "{MODEL}"',
+        "[pools.tokenizer]",
+        'strategy = "builtin"',
+        "[pools.layout]",
+        f"groups = [{groups}]",
+        f"retention_interval = {LAYOUT.retention_interval}",
+    ]
+    for name, rep in replicas.items():
+        lines += [
+            "[[pools.replicas]]",
+            f'name = "{name}"',
+            f'url = "{rep.url}"',
+            f'event_endpoint = "{rep.publisher.endpoint}"',
+            f'replay_endpoint = "{rep.publisher.replay_endpoint}"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+class SimCluster:
+    """Three :class:`SimReplica` and the router in front of them."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.replicas: dict[str, SimReplica] = {}
+        self.router: ServedApp | None = None
+        self.http: httpx.Client | None = None
+        try:
+            for name in NAMES:
+                self.replicas[name] = SimReplica(name, num_blocks)
+            self.config: RouterConfig = parse_config(router_toml(self.replicas))
+            self.app = create_router_app(self.config)
+            self.router = ServedApp(self.app)
+            self.http = httpx.Client(base_url=self.router.url, timeout=30)
+        except BaseException:
+            self.close()
+            raise
+        self.admin = {"authorization": f"Bearer {TOKEN}"}
+
+    @property
+    def client(self) -> httpx.Client:
+        if self.http is None:
+            raise RuntimeError("the cluster is closed")
+        return self.http
+
+    def direct(self, name: str) -> httpx.Client:
+        """An HTTP client of replica ``name`` itself (bypassing the router)."""
+        return self.replicas[name].client
+
+    # -- admin API ------------------------------------------------------------------------
+
+    def explain(self, **body: Any) -> dict[str, Any]:
+        r = self.client.post(
+            "/admin/route/explain", json={"model": MODEL, **body}, headers=self.admin
+        )
+        if r.status_code != 200:
+            raise AssertionError(f"explain failed: {r.status_code} {r.text}")
+        return r.json()
+
+    def rows(self, **body: Any) -> dict[str, dict[str, Any]]:
+        """The explain rows by replica name."""
+        return {row["replica"]: row for row in self.explain(**body)["replicas"]}
+
+    def caught_up(self, name: str) -> bool:
+        """Whether the router has applied every batch replica ``name`` has published."""
+        pub = self.replicas[name].publisher
+        if not pub.flush(5):
+            return False
+        target = pub.next_seq - 1
+        if target < 0:
+            return True
+        r = self.client.get("/admin/events", headers=self.admin)
+        if r.status_code != 200:
+            raise AssertionError(f"/admin/events failed: {r.status_code} {r.text}")
+        (stream,) = [s for s in r.json()["streams"] if s["replica"] == name]
+        stats = stream["stream_stats"]
+        return stats is not None and stats["last_seq"] == target
+
+    def sync(self, name: str, timeout: float = 20.0) -> None:
+        wait_for(lambda: self.caught_up(name), timeout, f"the router to apply {name}'s events")
+
+    def replica_failures(self, name: str) -> int:
+        r = self.client.get("/admin/replicas", headers=self.admin)
+        (rep,) = [x for x in r.json()["replicas"] if x["name"] == name]
+        return int(rep["failures"])
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the router's ``/metrics`` (0 when the series does not exist yet)."""
+        text = self.client.get("/metrics").text
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        m = re.search(rf"^{re.escape(name)}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the router first (its subscribers close), then every replica; raise the
+        first failure only after trying them all."""
+        errors: list[BaseException] = []
+        if self.http is not None:
+            self.http.close()
+            self.http = None
+        if self.router is not None:
+            try:
+                self.router.stop()
+            except BaseException as exc:
+                errors.append(exc)
+            self.router = None
+        for rep in self.replicas.values():
+            try:
+                rep.close()
+            except BaseException as exc:
+                errors.append(exc)
+        self.replicas.clear()
+        if errors:
+            raise errors[0]
