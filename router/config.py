@@ -121,8 +121,8 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Queued work of one request waiting in the replica's queue."""
     lookahead_weight: float = 1.0
     """Credit per token of the full-attention prefix a replica holds (future reuse). 1.0 won
-    the routing simulator's sweep (0.25 / 0.5 / 1.0) and, on real vLLM, 0.25 lost to
-    group-blind routing by 3-7 points of reuse (bench/real_vllm/through_router.py)."""
+    the routing simulator's sweep (0.25 / 0.5 / 1.0); larger values trade load balance for
+    reuse (router.policy's docstring has the numbers)."""
     lower_tier_weights: dict[str, float] = msgspec.field(
         default_factory=lambda: {"CPU": 0.5, "STORAGE": 0.2}
     )

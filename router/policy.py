@@ -28,9 +28,14 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   replica. With the default weight ``w = 1`` a replica scores its exact hit plus the prefix it
   holds (the hit now plus the hit the next similar request is expected to get there): an exact
   hit still decides between equal prefixes, and a long full-attention prefix beats a short
-  exact hit elsewhere. Measured: greedy exact routing (w = 0) loses to group-blind on real vLLM
-  (50.0 % vs 52.8 % reuse, spec real-vllm-on-cpu.md); w = 0.25 still lost by 3-7 points in
-  bench/real_vllm/through_router.py; w = 1.0 won the routing simulator's sweep.
+  exact hit elsewhere. The credit is in prefill tokens, so it also outbids queued work: on the
+  routing simulator (bench/routing_sim.py --quick, fa_swa, 3 seeds) raising w from 1 to 16
+  raised the cached share (N=4: 19.7 -> 23.9 %) but also imbalance and queueing (N=16: 1.29 ->
+  1.62, queue 0.034 -> 0.112 s); 1.0 won the 0.25 / 0.5 / 1.0 sweep and is the default. On two
+  real vLLM replicas with sequential traffic (bench/real_vllm/through_router.py, 150
+  requests) kv at w = 1 and w = 3 and prefix_group_blind made the same choice at every request
+  under the same tie-break seed: none chose below the best exact or group-blind hit, and
+  reuse there moves 50.0-56.7 % with the tie-break seed alone.
 
 Candidates whose cost is within ``tie_tokens`` of the best are tied and one is picked with the
 injected RNG; with ``temperature > 0`` the choice is sampled from ``softmax(-cost / T)``. The
