@@ -91,6 +91,23 @@ def test_predictions_equal_cached_tokens_and_swa_only_eviction_is_seen(stack) ->
     assert seen["spec_group_hits"]["full_attention[1]"] > seen["hit_tokens"]
 
 
+def test_exact_hit_wins_where_group_blind_ties(stack) -> None:
+    """A prefix seen once on one replica and twice on the other: both hold its full-attention
+    blocks (the group-blind hit ties), only the second holds the window checkpoint at its end
+    (spec §4.7). The router must send the next request there, and vLLM must confirm."""
+    from bench.real_vllm.swa_divergence import diverge_round
+
+    fleet, client, admin = stack
+    rng = random.Random(5)
+    for j in range(3):
+        rnd = diverge_round(fleet, client, admin, rng, j, 600, 0.5)
+        assert rnd.diverged, rnd
+        assert rnd.blind[rnd.seen_once] == rnd.blind[rnd.checkpointed]
+        assert rnd.hits[rnd.seen_once] < rnd.hits[rnd.checkpointed]
+        assert rnd.chosen == rnd.checkpointed, rnd
+        assert rnd.cached == rnd.best_hit > 0, rnd
+
+
 def test_wire_check_tail_decodes_everything_and_replay_from_zero_matches_live(stack) -> None:
     import json
     import struct
