@@ -154,7 +154,8 @@ def _check(args: argparse.Namespace) -> str | None:
     return next((msg for ok, msg in checks if not ok), None)
 
 
-def _bind_http(host: str, port: int) -> socket.socket:
+def bind_http(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for uvicorn; public so in-process replicas in tests bind alike."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto must be IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY on accepted connections
     # only then, and without it every response with a body waits ~40 ms (Nagle + delayed
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot build a pool of {args.num_blocks} blocks for this layout: {exc}")
 
     try:
-        http_sock = _bind_http(args.host, args.port)
+        http_sock = bind_http(args.host, args.port)
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc}")
     try:

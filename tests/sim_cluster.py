@@ -25,7 +25,7 @@ import uvicorn
 
 from events.publisher import EventPublisher
 from gpu_emitter.block_pool import HybridBlockPool
-from gpu_emitter.cli import _bind_http, event_source
+from gpu_emitter.cli import bind_http, event_source
 from gpu_emitter.cost_model import CostModel
 from gpu_emitter.engine import Engine
 from gpu_emitter.server import ReplicaInfo, create_app
@@ -60,7 +60,7 @@ class ServedApp:
     def __init__(self, app: Any, port: int = 0, timeout: float = 20.0) -> None:
         # kvrouter replica's own listener: IPPROTO_TCP so asyncio sets TCP_NODELAY (no 40 ms
         # Nagle stalls), SO_REUSEADDR so a stopped replica can take its port back.
-        self.sock = _bind_http("127.0.0.1", port)
+        self.sock = bind_http("127.0.0.1", port)
         self.port: int = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)

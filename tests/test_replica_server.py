@@ -455,9 +455,9 @@ def test_cli_serves_and_stops_on_sigint() -> None:
 def test_cli_http_socket_is_tcp_so_asyncio_sets_nodelay() -> None:
     """A listening socket made with proto 0 makes asyncio skip TCP_NODELAY on accepted
     connections, and every response with a body then stalls ~40 ms (Nagle + delayed ACK)."""
-    from gpu_emitter.cli import _bind_http
+    from gpu_emitter.cli import bind_http
 
-    sock = _bind_http("127.0.0.1", 0)
+    sock = bind_http("127.0.0.1", 0)
     try:
         assert sock.proto == socket.IPPROTO_TCP
     finally:
