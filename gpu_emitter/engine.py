@@ -298,6 +298,10 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for req in self._running:
+            # Give the blocks back: a pool that outlives its engine (a replica whose HTTP
+            # front restarts) must not keep them held by requests nobody will finish.
+            self.pool.finish(req.req_id)
         for req in [*self._running, *self._waiting]:
             self._fail(req, EngineClosedError("the replica is shutting down"))
         self._running.clear()

@@ -7,6 +7,7 @@ The engine runs on a real pool; the publisher is a recording sink so the order o
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +16,13 @@ import pytest
 
 from events.schema import BlockRemoved, BlockStored
 from gpu_emitter.cost_model import CostModel, CostModelError
-from gpu_emitter.engine import CapacityError, Engine, generated_token, prompt_seed
+from gpu_emitter.engine import (
+    CapacityError,
+    Engine,
+    EngineClosedError,
+    generated_token,
+    prompt_seed,
+)
 from router import builtin_tokenizer as tok
 
 B = 16
@@ -232,6 +239,30 @@ def test_outputs_are_deterministic_words() -> None:
     assert a == [generated_token(prompt_seed(prompt(40)), i) for i in range(12)]
     assert all(t >= tok.WORD_OFFSET for t in a)
     assert tok.encode(tok.decode(a), add_bos=False) == a
+
+
+def test_stop_fails_unfinished_requests_and_gives_their_blocks_back() -> None:
+    async def main() -> tuple[int, int, int, list[object]]:
+        pool = make_pool(64)
+        engine, _, _ = await _engine(pool, cost=CostModel(decode_s_per_step=0.05))
+        free0 = pool.num_free_blocks
+        running = engine.submit(prompt(100), 500)
+        deadline = time.monotonic() + 10
+        while engine.num_running == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)  # polling the engine's loop, bounded by the deadline
+        held = pool.num_free_blocks
+        await engine.stop()
+        errors = []
+        try:
+            await running.result()
+        except EngineClosedError as exc:
+            errors.append(exc)
+        return free0, held, pool.num_free_blocks, errors
+
+    free0, held, after, errors = run(main())
+    assert held < free0, "the request never got blocks: the test proves nothing"
+    assert after == free0
+    assert len(errors) == 1
 
 
 def test_second_identical_request_hits_and_events_flush_before_completion() -> None:
