@@ -307,7 +307,7 @@ class Sim:
             while box and box[0][0] <= cutoff:
                 self.index.apply_events(key, box.popleft()[1])
 
-    def _route(self, req: _Req, now: float) -> int:
+    def _route(self, req: _Req, now: float, pin: int | None = None) -> int:
         t0 = time.perf_counter()
         cands = []
         if self.cfg.policy == ORACLE:
@@ -337,9 +337,12 @@ class Sim:
                     kv_usage=rep.pool.usage,
                 )
             )
-        decision = self.policy.choose(len(req.tokens), cands, commit=True)
+        if pin is None:
+            decision = self.policy.choose(len(req.tokens), cands, commit=True)
+            i = self.keys.index(decision.chosen.key)
+        else:
+            i = pin
         self.decide_s += time.perf_counter() - t0
-        i = self.keys.index(decision.chosen.key)
         c = cands[i]
         req.replica = i
         req.predicted = c.hit_tokens
@@ -357,21 +360,39 @@ class Sim:
         wall = time.perf_counter()
         n = len(requests)
         for k, src in enumerate(requests):
-            now = src.arrival_s
-            for rep in self.replicas:
-                rep.advance_to(now)
-            self._deliver(now)
-            req = _Req(src, src.token_ids(), f"q{src.index}")
-            i = self._route(req, now)
-            req.pending = max(0, len(req.tokens) - req.predicted)
-            self.in_flight[i] += 1
-            self.pending[i] += req.pending
-            self.replicas[i].submit(req, now)
+            self.submit(src)
             if progress is not None and (k + 1) % 2000 == 0:
                 progress(k + 1, n)
         for rep in self.replicas:
             rep.advance_to(math.inf)
         return self.summary(requests, time.perf_counter() - wall)
+
+    def advance(self, t: float) -> None:
+        """Run every replica up to simulated time ``t`` and apply the events due by then."""
+        for rep in self.replicas:
+            rep.advance_to(t)
+        self._deliver(t)
+
+    def submit(self, src: ScaledRequest, *, replica: int | None = None) -> _Req:
+        """One request of :meth:`run`: advance to ``src.arrival_s``, route, hand it over.
+
+        ``replica`` (an index into :attr:`replicas`) pins the request there without asking
+        the policy; the prediction and the router's load accounting stay as for a routed
+        request. That is the hook for set-up traffic: bench/routing_scenarios.py builds a
+        chosen cache state through the real pools (e.g. a prefix whose sliding-window
+        checkpoint was evicted on some replicas) before the routed requests it measures.
+        The caller keeps ``src.arrival_s`` non-decreasing and ``src.index`` unique among
+        running requests (it names the request in the pool).
+        """
+        now = src.arrival_s
+        self.advance(now)
+        req = _Req(src, src.token_ids(), f"q{src.index}")
+        i = self._route(req, now, pin=replica)
+        req.pending = max(0, len(req.tokens) - req.predicted)
+        self.in_flight[i] += 1
+        self.pending[i] += req.pending
+        self.replicas[i].submit(req, now)
+        return req
 
     def summary(self, requests: Sequence[ScaledRequest], wall_s: float) -> dict[str, Any]:
         done = [r for r in self.done if not r.failed]
