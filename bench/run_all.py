@@ -206,9 +206,9 @@ tokens those decisions left uncached per run, mean over seeds). The line under e
 compares hybrid (`kv`) with `prefix_group_blind` seed by seed: a count below the number of
 seeds means hybrid did worse on that metric in some seed.
 
-In A every policy but hybrid sees the same hit on the four replicas (group-blind, least-load
-and round-robin rank them alike) and spreads the stream: three requests recompute the whole
-prefix, which shows in p99 (about one full prefill). Those misses also store the checkpoint,
+In A group-blind sees the same hit on the four replicas, so it ranks them by load exactly as
+least-load does; like round-robin it spreads the stream, and three requests recompute the
+whole prefix, which shows in p99 (about one full prefill). Those misses also store the checkpoint,
 so the loss is bounded by one miss per replica and per prefix. Hybrid sends every request to
 the replica whose window checkpoint survived: no miss, but the whole stream shares one
 replica's engine steps (each prefill joins a decode step), which is where its p50/p90 fall
