@@ -37,7 +37,7 @@ import httpx
 import msgspec
 
 from bench.real_vllm.model import word
-from bench.real_vllm.replicas import VllmFleet
+from bench.real_vllm.replicas import VllmFleet, stop_on_sigterm
 from events.schema import BlockRemoved
 from events.stream import StreamBatch, StreamSpec
 from events.subscriber import Subscriber
@@ -424,6 +424,7 @@ def main() -> int:
     ap.add_argument("--record", type=Path, help="also save the run as a replayable recording")
     ap.add_argument("--out", type=Path, default=Path("bench/results/real_vllm_exactness.json"))
     args = ap.parse_args()
+    stop_on_sigterm()
     report = run(args)
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

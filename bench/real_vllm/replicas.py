@@ -164,6 +164,17 @@ class VllmFleet:
         self.stop()
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C, so the ``with VllmFleet`` blocks of a benchmark that
+    is killed stop their replicas instead of leaving them running (seen: ``pkill`` of a
+    benchmark left two vLLM servers holding its ports)."""
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--replicas", type=int, default=2)
@@ -171,11 +182,7 @@ def main() -> int:
     ap.add_argument("--retention-interval", type=int)
     args = ap.parse_args()
     fleet = VllmFleet(args.replicas, args.base_port, args.retention_interval)
-
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
+    stop_on_sigterm()
     with fleet:
         for r in fleet.replicas:
             print(

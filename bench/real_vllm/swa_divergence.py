@@ -29,13 +29,14 @@ import json
 import random
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
 from bench.real_vllm.exactness import MODEL, Req, words
-from bench.real_vllm.replicas import VllmFleet
+from bench.real_vllm.replicas import VllmFleet, stop_on_sigterm
 from bench.real_vllm.through_router import prime, router_process, settle, stream_request
 
 
@@ -91,6 +92,22 @@ def _rows(admin: httpx.Client, ids: list[int]) -> dict[str, dict]:
     return {x["replica"]: x for x in exp["replicas"]}
 
 
+def _idle_rows(admin: httpx.Client, ids: list[int], timeout: float = 15.0) -> dict[str, dict]:
+    """Explain rows once the router sees no load anywhere. The setup requests went straight
+    to the replicas (other clients, to the router): a ``/metrics`` scrape taken while one
+    ran would weigh on that replica until the next scrape and decide the tie instead of the
+    cache. This scenario is about cache state only."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = _rows(admin, ids)
+        loads = [x.get("load") or {} for x in rows.values()]
+        if all(not ld.get("running") and not ld.get("waiting") for ld in loads):
+            return rows
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replicas still loaded after {timeout} s: {loads}")
+        time.sleep(0.05)  # the next /metrics scrape of an external process
+
+
 def diverge_round(
     fleet: VllmFleet,
     client: httpx.Client,
@@ -108,7 +125,7 @@ def diverge_round(
         _post(b.url, prefix + words(rng, 40))
     settle(admin, quiet)
     query = prefix + words(rng, 60)
-    rows = _rows(admin, query)
+    rows = _idle_rows(admin, query)
     ra, rb = rows[a.name], rows[b.name]
     rnd = Round(j, a.name, b.name)
     rnd.diverged = ra["hit_tokens"] < rb["hit_tokens"] and (
@@ -156,6 +173,7 @@ def main() -> int:
     ap.add_argument("--base-port", type=int, default=18700)
     ap.add_argument("--out", type=Path, default=Path("bench/results/real_vllm_swa_divergence.json"))
     args = ap.parse_args()
+    stop_on_sigterm()
     runs = [run_policy(p, t, args) for p in args.policies for t in args.tie_seeds]
     print(
         f"\nreal vLLM, 2 replicas, {args.prefixes} rounds of one {args.prefix_tokens}-token "

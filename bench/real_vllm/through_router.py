@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from bench.real_vllm.exactness import MODEL, Req, words, workload
-from bench.real_vllm.replicas import VllmFleet
+from bench.real_vllm.replicas import VllmFleet, stop_on_sigterm
 
 TOKEN = "bench-token"
 
@@ -339,6 +339,7 @@ def main() -> int:
     )
     ap.add_argument("--out", type=Path, default=Path("bench/results/real_vllm_routing.json"))
     args = ap.parse_args()
+    stop_on_sigterm()
     results = [run_policy(p, args) for p in args.policies]
     print(f"\nreal vLLM through kvrouter serve, {args.requests} sequential requests, seed "
           f"{args.seed}, retention {args.retention_interval or 0}")  # fmt: skip
