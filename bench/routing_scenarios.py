@@ -72,7 +72,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.routing_sim import LABEL, Sim, SimConfig, _pct, machine  # noqa: E402
+from bench.routing_sim import (  # noqa: E402
+    LABEL,
+    Sim,
+    SimConfig,
+    _pct,
+    add_policy_option_arg,
+    machine,
+)
 from router.workload import ScaledRequest, Scaling  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -339,7 +346,9 @@ def _setup(
     }
 
 
-def run_scenario(sc: Scenario, policy: str, seed: int) -> dict[str, Any]:
+def run_scenario(
+    sc: Scenario, policy: str, seed: int, options: tuple[tuple[str, float], ...] = ()
+) -> dict[str, Any]:
     """One (scenario, policy, seed) run: set-up, routed stream, metrics of the routed part."""
     wall = time.perf_counter()
     rng = random.Random(seed)
@@ -353,6 +362,7 @@ def run_scenario(sc: Scenario, policy: str, seed: int) -> dict[str, Any]:
         prefill_ms_per_token=sc.prefill_ms_per_token * scaling.token_factor,
         decode_ms_per_step=sc.decode_ms_per_step,
         step_overhead_ms=sc.step_overhead_ms,
+        policy_options=options,
     )
     sim = Sim(cfg, scaling)
     tr = _Traffic(seed)
@@ -645,11 +655,14 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     return [path]
 
 
-def _job(args: tuple[Scenario, str, int]) -> dict[str, Any]:
+Job = tuple[Scenario, str, int, tuple[tuple[str, float], ...]]
+
+
+def _job(args: Job) -> dict[str, Any]:
     return run_scenario(*args)
 
 
-def _results(jobs: list[tuple[Scenario, str, int]], procs: int) -> Iterator[dict[str, Any]]:
+def _results(jobs: list[Job], procs: int) -> Iterator[dict[str, Any]]:
     """The runs' results as they finish (forked worker processes when ``procs > 1``)."""
     if procs <= 1:
         yield from map(_job, jobs)
@@ -675,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=str(RESULTS / "routing_scenarios.json"))
     ap.add_argument("--no-plot", action="store_true")
+    add_policy_option_arg(ap)
     args = ap.parse_args(argv)
 
     seeds = args.seeds or (2 if args.quick else 5)
@@ -684,7 +698,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
         scenarios[name] = quick(SCENARIOS[name]) if args.quick else SCENARIOS[name]
     policies = args.policies.split(",")
-    jobs = [(sc, p, s) for sc in scenarios.values() for s in range(seeds) for p in policies]
+    opts = tuple(args.policy_option)
+    jobs = [(sc, p, s, opts) for sc in scenarios.values() for s in range(seeds) for p in policies]
     t0 = time.perf_counter()
     print(
         f"routing_scenarios: {len(jobs)} runs on {args.jobs} processes", file=sys.stderr, flush=True

@@ -103,6 +103,8 @@ class SimConfig:
     event_delay_s: float = 0.0
     lookahead_weight: float | None = None
     """None: PolicyConfig's default."""
+    policy_options: tuple[tuple[str, float], ...] = ()
+    """Other PolicyConfig fields to set (``--policy-option per_request_tokens=256``)."""
     check_all: bool = False
     """Check ``err_now`` on every replica, not only the chosen one (slower; for tests)."""
 
@@ -279,7 +281,9 @@ class Sim:
         if "@" in pname:  # "kv@0.5": the kv policy with lookahead_weight 0.5 (sweeps)
             pname, w = pname.split("@", 1)
             weight = float(w)
-        extra = {} if weight is None else {"lookahead_weight": weight}
+        extra: dict[str, float] = dict(cfg.policy_options)
+        if weight is not None:
+            extra["lookahead_weight"] = weight
         pc = PolicyConfig(name=pname, seed=cfg.seed, **extra)  # type: ignore[arg-type]
         self.policy = make_policy(pc, random.Random(cfg.seed))
         self.in_flight = [0] * cfg.replicas
@@ -458,6 +462,32 @@ def workload(
     return scale_trace(load_trace(trace_path or default_trace_path()), scaling)
 
 
+def policy_option(text: str) -> tuple[str, float]:
+    """``FIELD=VALUE`` for ``--policy-option``: a numeric field of router.config.PolicyConfig."""
+    name, sep, value = text.partition("=")
+    fields = PolicyConfig.__struct_fields__
+    if not sep or name not in fields:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give FIELD=VALUE with FIELD one of {', '.join(fields)}"
+        )
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: VALUE must be a number") from None
+
+
+def add_policy_option_arg(ap: argparse.ArgumentParser) -> None:
+    """``--policy-option FIELD=VALUE`` (repeatable), shared with bench/routing_scenarios.py."""
+    ap.add_argument(
+        "--policy-option",
+        type=policy_option,
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="set a numeric PolicyConfig field for every policy (repeatable)",
+    )
+
+
 def run_one(job: tuple[SimConfig, Scaling, str | None, int | None]) -> dict[str, Any]:
     cfg, scaling, trace_path, synthetic = job
     reqs = workload(trace_path, scaling, synthetic)
@@ -564,6 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, help="KV blocks per replica (default 4096)")
     ap.add_argument("--event-delay", type=float, default=0.0, help="seconds before events apply")
     ap.add_argument("--lookahead-weight", type=float, help="PolicyConfig.lookahead_weight")
+    add_policy_option_arg(ap)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=str(RESULTS / "routing_sim.json"))
     ap.add_argument("--no-plots", action="store_true")
@@ -598,6 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         num_blocks=num_blocks,
                         event_delay_s=args.event_delay,
                         lookahead_weight=args.lookahead_weight,
+                        policy_options=args.policy_option,
                     )
                     jobs.append((cfg, scaling, args.trace, args.synthetic))
     seen_scalings = {}

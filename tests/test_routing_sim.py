@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.routing_sim import ORACLE, Sim, SimConfig  # noqa: E402
+from bench.routing_sim import ORACLE, Sim, SimConfig, policy_option  # noqa: E402
 from router.workload import (  # noqa: E402
     ScaledRequest,
     Scaling,
@@ -144,3 +144,18 @@ def test_same_seed_same_result_and_delayed_events_can_mispredict() -> None:
     assert _summary_key(a) == _summary_key(b)
     late = Sim(SimConfig(**{**cfg.__dict__, "event_delay_s": 5.0}), Scaling()).run(reqs)
     assert late["err_now_mismatches"] > 0  # stale state is visible as a prediction error
+
+
+def test_policy_options_reach_the_policy_and_bad_ones_are_named() -> None:
+    import argparse
+
+    assert policy_option("per_request_tokens=256") == ("per_request_tokens", 256.0)
+    for bad in ("per_request_tokens", "nope=1", "per_request_tokens=x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"FIELD=VALUE|number"):
+            policy_option(bad)
+    sim = Sim(
+        SimConfig(layout="fa", replicas=2, policy="kv",
+                  policy_options=(("per_request_tokens", 300.0),)),
+        Scaling(block_tokens=32),
+    )  # fmt: skip
+    assert sim.policy.cfg.per_request_tokens == 300.0
