@@ -29,7 +29,7 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   holds (the hit now plus the hit the next similar request is expected to get there): an exact
   hit still decides between equal prefixes, and a long full-attention prefix beats a short
   exact hit elsewhere. The credit is in prefill tokens, so it also outbids queued work: on the
-  routing simulator (bench/routing_sim.py --quick, fa_swa, 3 seeds) raising w from 1 to 16
+  routing simulator (bench/routing_sim.py --quick, fa_swa, 3 seeds, load terms 64/256) w 1 -> 16
   raised the cached share (N=4: 19.7 -> 23.9 %) but also imbalance and queueing (N=16: 1.29 ->
   1.62, queue 0.034 -> 0.112 s); 1.0 won the 0.25 / 0.5 / 1.0 sweep and is the default. On two
   real vLLM replicas with sequential traffic (bench/real_vllm/through_router.py, 150
