@@ -252,25 +252,27 @@ def _load_terms_section() -> list[str]:
         "| blind TTFT mean / p90 / p99 s |"
     )
     rows = [head, "|---|---|---|---|---|---|"]
+
+    def row(p: int, where: str, kv: dict[str, Any], bl: dict[str, Any], first: str) -> str:
+        """``first``: the leading TTFT statistic (mean for scenarios, p50 for Mooncake)."""
+        pre = "p50 " if first == "ttft_p50_s" else ""
+        cells = [
+            f"{pre}{x[first]:.3f} / {x['ttft_p90_s']:.3f} / {x['ttft_p99_s']:.3f}" for x in (kv, bl)
+        ]
+        return (
+            f"| {p} / {4 * p} | {where} | {100 * kv['cached_share']:.2f} "
+            f"| {100 * bl['cached_share']:.2f} | {cells[0]} | {cells[1]} |"
+        )
+
     for p, scen, sim in docs:
-        by = {(a["scenario"], a["policy"]): a for a in scen["aggregate"]}
-        for name in sorted({a["scenario"] for a in scen["aggregate"]}):
-            kv, bl = by[(name, "kv")], by[(name, "prefix_group_blind")]
-            rows.append(
-                f"| {p} / {4 * p} | scenario {name} | {100 * kv['cached_share']:.1f} "
-                f"| {100 * bl['cached_share']:.1f} "
-                f"| {kv['ttft_mean_s']:.3f} / {kv['ttft_p90_s']:.3f} / {kv['ttft_p99_s']:.3f} "
-                f"| {bl['ttft_mean_s']:.3f} / {bl['ttft_p90_s']:.3f} / {bl['ttft_p99_s']:.3f} |"
-            )
-        sby = {(a["replicas"], a["policy"]): a for a in sim["aggregate"]}
-        for n in sorted({a["replicas"] for a in sim["aggregate"]}):
-            kv, bl = sby[(n, "kv")], sby[(n, "prefix_group_blind")]
-            rows.append(
-                f"| {p} / {4 * p} | Mooncake fa_swa, {n} replicas | "
-                f"{100 * kv['cached_share']:.2f} | {100 * bl['cached_share']:.2f} "
-                f"| p50 {kv['ttft_p50_s']:.3f} / {kv['ttft_p90_s']:.3f} / {kv['ttft_p99_s']:.3f} "
-                f"| p50 {bl['ttft_p50_s']:.3f} / {bl['ttft_p90_s']:.3f} / {bl['ttft_p99_s']:.3f} |"
-            )
+        for key, doc, where, first in (
+            ("scenario", scen, "scenario {}", "ttft_mean_s"),
+            ("replicas", sim, "Mooncake fa_swa, {} replicas", "ttft_p50_s"),
+        ):
+            by = {(x[key], x["policy"]): x for x in doc["aggregate"]}
+            for k in sorted({x[key] for x in doc["aggregate"]}):
+                kv, bl = by[(k, "kv")], by[(k, "prefix_group_blind")]
+                rows.append(row(p, where.format(k), kv, bl, first))
     cmds = sorted(
         {d[1]["command"].split(" --out")[0] for d in docs[:1]}
         | {d[2]["command"].split(" --out")[0] for d in docs[:1]}
