@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from events.publisher import EventPublisher
 from events.schema import BlockRemoved, BlockStored
+from gpu_emitter.cli import bind_http
 from router import builtin_tokenizer as bt
 from router.hashing import BlockHasher
 from router.index import KVIndex
@@ -210,33 +211,42 @@ def free_port() -> int:
 
 class ServerThread:
     """uvicorn serving an ASGI app on 127.0.0.1 in a thread, started and stopped with
-    deadlines (no sleeps as synchronisation)."""
+    deadlines (no sleeps as synchronisation).
+
+    The listening socket is bound here, before the thread starts (``port=None``: any free
+    port, no pick-then-bind race; a given port is re-bound with SO_REUSEADDR, so a stopped
+    server can take its port back), the way ``kvrouter replica`` binds its own."""
 
     def __init__(self, app: Any, port: int | None = None) -> None:
-        self.port = port or free_port()
-        cfg = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
-            access_log=False,
-        )  # fmt: skip
+        self.sock = bind_http("127.0.0.1", port or 0)
+        self.port: int = self.sock.getsockname()[1]
+        cfg = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
         self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 10.0) -> ServerThread:
+    def start(self, timeout: float = 20.0) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"server on port {self.port} did not start")
-            time.sleep(0.005)
+                self.stop()
+                raise RuntimeError(f"server on {self.url} did not start")
+            time.sleep(0.005)  # polling another thread's flag, bounded by the deadline
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 20.0) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        self.sock.close()
+        if self.thread.is_alive():
+            raise RuntimeError(f"server on {self.url} did not stop within {timeout}s")
 
     def __enter__(self) -> ServerThread:
         return self.start()

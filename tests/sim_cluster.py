@@ -17,21 +17,20 @@ Every server binds its own socket first (no free-port race) and is stopped with 
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
 import httpx
-import uvicorn
 
 from events.publisher import EventPublisher
 from gpu_emitter.block_pool import HybridBlockPool
-from gpu_emitter.cli import bind_http, event_source
+from gpu_emitter.cli import event_source
 from gpu_emitter.cost_model import CostModel
 from gpu_emitter.engine import Engine
 from gpu_emitter.server import ReplicaInfo, create_app
 from router.config import RouterConfig, parse_config
 from router.layout import GroupKind, GroupSpec, ModelLayout
 from router.service import create_app as create_router_app
+from tests.fake_replica import ServerThread
 from tests.zmq_helpers import LOOPBACK, wait_for
 
 __all__ = ["LAYOUT", "MODEL", "NAMES", "TOKEN", "SimCluster", "SimReplica"]
@@ -53,40 +52,6 @@ SWA = "sliding_window[1]"
 """Spec-group names as ``/admin/route/explain`` prints them (router.predict)."""
 
 
-class ServedApp:
-    """An ASGI app served by uvicorn on a thread, on a socket bound before the thread starts
-    (``port=0``: any free port; a given port is re-bound with SO_REUSEADDR)."""
-
-    def __init__(self, app: Any, port: int = 0, timeout: float = 20.0) -> None:
-        # kvrouter replica's own listener: IPPROTO_TCP so asyncio sets TCP_NODELAY (no 40 ms
-        # Nagle stalls), SO_REUSEADDR so a stopped replica can take its port back.
-        self.sock = bind_http("127.0.0.1", port)
-        self.port: int = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
-        self.thread.start()
-        try:
-            wait_for(
-                lambda: self.server.started or not self.thread.is_alive(), timeout, "uvicorn start"
-            )
-            if not self.server.started:
-                raise RuntimeError(f"server on {self.url} exited during startup")
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self, timeout: float = 20.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
-        self.sock.close()
-        if self.thread.is_alive():
-            raise RuntimeError(f"server on {self.url} did not stop within {timeout}s")
-
-
 class SimReplica:
     """One simulated hybrid vLLM replica (module docstring)."""
 
@@ -97,7 +62,7 @@ class SimReplica:
         # /kv_event_sources as ``kvrouter replica`` reports it
         sources = [event_source(self.publisher, LOOPBACK, LOOPBACK)]
         self.info = ReplicaInfo(MODEL, max_model_len, event_sources=sources)
-        self.http: ServedApp | None = None
+        self.http: ServerThread | None = None
         self.port = 0
         try:
             self.start_http()
@@ -118,13 +83,12 @@ class SimReplica:
             raise RuntimeError(f"replica {self.name} is already serving")
         engine = Engine(self.pool, self.publisher, cost=CostModel(time_scale=0.01))
         # No on_shutdown: the publisher must outlive an HTTP stop; close() closes it.
-        self.http = ServedApp(create_app(engine, self.info), self.port)
+        self.http = ServerThread(create_app(engine, self.info), self.port).start()
         self.port = self.http.port
 
     def stop_http(self) -> None:
-        """Stop the HTTP server: connections to its port are refused from then on. Call it
-        with no request in flight: the engine fails unfinished requests as it stops without
-        handing their blocks back to the pool."""
+        """Stop the HTTP server: connections to its port are refused from then on. Requests in
+        flight fail (the engine stops with the server and gives their blocks back)."""
         if self.http is not None:
             http, self.http = self.http, None
             http.stop()
@@ -174,14 +138,14 @@ class SimCluster:
 
     def __init__(self, num_blocks: int) -> None:
         self.replicas: dict[str, SimReplica] = {}
-        self.router: ServedApp | None = None
+        self.router: ServerThread | None = None
         self.http: httpx.Client | None = None
         try:
             for name in NAMES:
                 self.replicas[name] = SimReplica(name, num_blocks)
             self.config: RouterConfig = parse_config(router_toml(self.replicas))
             self.app = create_router_app(self.config)
-            self.router = ServedApp(self.app)
+            self.router = ServerThread(self.app).start()
             self.http = httpx.Client(base_url=self.router.url, timeout=30)
         except BaseException:
             self.close()
