@@ -63,7 +63,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,8 @@ from bench.routing_sim import (  # noqa: E402
     _pct,
     add_policy_option_arg,
     machine,
+    run_jobs,
+    seed_spread,
 )
 from router.workload import ScaledRequest, Scaling  # noqa: E402
 
@@ -482,12 +484,7 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.items(), key=lambda x: (x[0][0], order.get(x[0][1], 9))
     ):
         row: dict[str, Any] = {"scenario": name, "policy": policy, "seeds": len(rs)}
-        for m in METRICS:
-            vals = [float(r[m]) for r in rs]
-            row[m] = statistics.fmean(vals)
-            row[m + "_min"] = min(vals)
-            row[m + "_max"] = max(vals)
-        out.append(row)
+        out.append(row | seed_spread(rs, METRICS, sd=False))
     return out
 
 
@@ -662,17 +659,6 @@ def _job(args: Job) -> dict[str, Any]:
     return run_scenario(*args)
 
 
-def _results(jobs: list[Job], procs: int) -> Iterator[dict[str, Any]]:
-    """The runs' results as they finish (forked worker processes when ``procs > 1``)."""
-    if procs <= 1:
-        yield from map(_job, jobs)
-        return
-    import multiprocessing as mp
-
-    with mp.get_context("fork").Pool(procs) as pool:
-        yield from pool.imap_unordered(_job, jobs)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -717,7 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
 
-    for r in _results(jobs, args.jobs):
+    for r in run_jobs(_job, jobs, args.jobs):
         report(r)
     rows.sort(
         key=lambda r: (

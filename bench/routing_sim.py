@@ -49,7 +49,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -531,14 +531,34 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     )
     for (layout, n, policy), rs in sorted(groups.items()):
         row: dict[str, Any] = {"layout": layout, "replicas": n, "policy": policy, "seeds": len(rs)}
-        for m in metrics:
-            vals = [float(r[m]) for r in rs]
-            row[m] = statistics.fmean(vals)
-            row[m + "_min"] = min(vals)
-            row[m + "_max"] = max(vals)
-            row[m + "_sd"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        out.append(row)
+        out.append(row | seed_spread(rs, metrics, sd=True))
     return out
+
+
+def seed_spread(rs: Sequence[dict[str, Any]], metrics: Sequence[str], *, sd: bool) -> dict:
+    """Per metric over the runs (seeds): the mean as ``m``, then ``m_min``, ``m_max`` and,
+    with ``sd``, the sample standard deviation ``m_sd``."""
+    row: dict[str, float] = {}
+    for m in metrics:
+        vals = [float(r[m]) for r in rs]
+        row[m] = statistics.fmean(vals)
+        row[m + "_min"] = min(vals)
+        row[m + "_max"] = max(vals)
+        if sd:
+            row[m + "_sd"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    return row
+
+
+def run_jobs(fn: Callable[[Any], dict[str, Any]], jobs: Sequence[Any], procs: int) -> Iterator:
+    """``fn`` over ``jobs``, results as they finish: forked worker processes when
+    ``procs > 1`` (each run is independent and CPU-bound), in order in this one otherwise."""
+    if procs <= 1:
+        yield from map(fn, jobs)
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("fork").Pool(procs) as pool:
+        yield from pool.imap_unordered(fn, jobs)
 
 
 def table(agg: list[dict[str, Any]], bounds: dict[str, Any]) -> str:
@@ -661,15 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
 
-    if args.jobs > 1:
-        import multiprocessing as mp
-
-        with mp.get_context("fork").Pool(args.jobs) as pool:
-            for r in pool.imap_unordered(run_one, jobs):
-                report(r)
-    else:
-        for j in jobs:
-            report(run_one(j))
+    for r in run_jobs(run_one, jobs, args.jobs):
+        report(r)
 
     agg = aggregate(rows)
     md = table(agg, bounds)
