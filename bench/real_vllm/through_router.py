@@ -178,6 +178,14 @@ def decision_record(i: int, kind: str, exp: dict, replica: str, cached: int) -> 
     }
 
 
+def _side(d: dict) -> str:
+    """One run's decision on one line: where it went, what it got, what each replica showed."""
+    rows = " ".join(
+        f"{n}:h{r['hit']}/b{r['blind']}/q{r['queued']:.0f}" for n, r in sorted(d["rows"].items())
+    )
+    return f"->{d['chosen']} got {d['cached']:>4} [{rows}] tied {d['tied']}"
+
+
 def compare(a: PolicyResult, b: PolicyResult, limit: int = 40) -> None:
     """Decision by decision, where two runs of the same sequence went different ways."""
     ra = rb = 0
@@ -189,17 +197,9 @@ def compare(a: PolicyResult, b: PolicyResult, limit: int = 40) -> None:
         if da["chosen"] == db["chosen"] and da["cached"] == db["cached"]:
             continue
         if shown < limit:
-
-            def side(d: dict) -> str:
-                rows = " ".join(
-                    f"{n}:h{r['hit']}/b{r['blind']}/q{r['queued']:.0f}"
-                    for n, r in sorted(d["rows"].items())
-                )
-                return f"->{d['chosen']} got {d['cached']:>4} [{rows}] tied {d['tied']}"
-
             print(f"  #{da['i']:>3} {da['kind']:<16} n={da['num_tokens']:>5}")
-            print(f"      {a.policy:<18} {side(da)}")
-            print(f"      {b.policy:<18} {side(db)}")
+            print(f"      {a.policy:<18} {_side(da)}")
+            print(f"      {b.policy:<18} {_side(db)}")
             print(f"      cumulative cached: {ra} vs {rb} ({ra - rb:+d})")
         shown += 1
     print(f"  {shown} requests differ; total cached {ra} vs {rb} ({ra - rb:+d})")
