@@ -37,7 +37,13 @@ import httpx
 
 from bench.real_vllm.exactness import MODEL, Req, words
 from bench.real_vllm.replicas import VllmFleet, stop_on_sigterm
-from bench.real_vllm.through_router import prime, router_process, settle, stream_request
+from bench.real_vllm.through_router import (
+    post_direct,
+    prime,
+    router_process,
+    settle,
+    stream_request,
+)
 
 
 @dataclass
@@ -81,12 +87,6 @@ class Run:
         }
 
 
-def _post(url: str, prompt: list[int]) -> None:
-    """Straight to a replica, not through the router: the setup must not depend on routing."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
-    httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status()
-
-
 def _rows(admin: httpx.Client, ids: list[int]) -> dict[str, dict]:
     exp = admin.post("/admin/route/explain", json={"model": MODEL, "token_ids": ids}).json()
     return {x["replica"]: x for x in exp["replicas"]}
@@ -120,9 +120,9 @@ def diverge_round(
     """One round (module docstring): set up the two window states, check them, route."""
     a, b = fleet.replicas[:2]
     prefix = [2, *words(rng, prefix_tokens)]
-    _post(a.url, prefix + words(rng, 40))
+    post_direct(a.url, prefix + words(rng, 40))
     for _ in range(2):
-        _post(b.url, prefix + words(rng, 40))
+        post_direct(b.url, prefix + words(rng, 40))
     settle(admin, quiet)
     query = prefix + words(rng, 60)
     rows = _idle_rows(admin, query)

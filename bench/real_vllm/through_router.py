@@ -247,16 +247,18 @@ def router_process(
             router.wait(timeout=30)
 
 
+def post_direct(url: str, prompt: list[int]) -> None:
+    """A one-token completion straight to a replica, not through the router."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status()
+
+
 def prime(fleet: VllmFleet, rng: random.Random) -> None:
     """Two small requests per replica, straight to it: the subscriber sees a first batch and
     replays its stream from seq 0 (the ZMQ slow joiner may drop the very first messages)."""
     for _ in range(2):
         for r in fleet.replicas:
-            httpx.post(
-                f"{r.url}/v1/completions",
-                json={"model": MODEL, "prompt": [2, *words(rng, 40)], "max_tokens": 1},
-                timeout=60,
-            ).raise_for_status()
+            post_direct(r.url, [2, *words(rng, 40)])
 
 
 def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
