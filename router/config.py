@@ -129,8 +129,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     up more reuse (Mooncake fa_swa, 16 replicas: 30.2 % against 31.3 %)."""
     lookahead_weight: float = 1.0
     """Credit per token of the full-attention prefix a replica holds (future reuse). 1.0 won
-    the routing simulator's sweep (0.25 / 0.5 / 1.0); larger values trade load balance for
-    reuse (router.policy's docstring has the numbers)."""
+    the routing simulator's 0.25 / 0.5 / 1.0 sweep; 0 (greedy exact hit) only ties with
+    group-blind routing; 2.0 gained reuse within the seed-to-seed spread at the price of more
+    queueing and imbalance (bench/results/REPORT.md, look-ahead sweep)."""
     lower_tier_weights: dict[str, float] = msgspec.field(
         default_factory=lambda: {"CPU": 0.5, "STORAGE": 0.2}
     )
