@@ -1,4 +1,4 @@
-"""Cost of the block hash chain on the routing hot path (router/hashing.py).
+"""Cost of the block hash chain on the routing hot path (events/hashing.py).
 
 Measures a 32k-token prompt at H=16 (2048 fine hashes) per algorithm:
 
@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from router.hashing import BlockHasher
-from router.layout import HashSettings
+from events.hashing import BlockHasher
+from events.layout import HashSettings
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hashing_bench.json"
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")

@@ -34,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from router import builtin_tokenizer as tok  # noqa: E402
+from gpu_emitter import tokenizer as tok  # noqa: E402
 
 PROMPT_TOKENS = 2000
 MAX_TOKENS = 16

@@ -82,7 +82,7 @@ from bench.routing_sim import (  # noqa: E402
     run_jobs,
     seed_spread,
 )
-from router.workload import ScaledRequest, Scaling  # noqa: E402
+from gpu_emitter.workload import ScaledRequest, Scaling  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 POLICIES = ("kv", "prefix_group_blind", "least_load", "round_robin")

@@ -5,15 +5,15 @@ caching and events; KV tensor writes skipped: they change no hit and no event) s
 ``gpu_emitter.engine`` (running requests first, FIFO admission, preemption from the back,
 one event batch per step) on a **simulated clock** whose step times come from
 ``gpu_emitter.cost_model.CostModel``. The router side is the server's code path: each step's
-``take_events()`` goes into a ``router.index.KVIndex`` via ``apply_events`` (at once, or after
-``--event-delay`` simulated seconds), ``router.predict.Predictor`` computes every replica's
-hit, and ``router.policy`` chooses, with the service's candidate terms (router in-flight
+``take_events()`` goes into a ``router.core.index.KVIndex`` via ``apply_events`` (at once, or after
+``--event-delay`` simulated seconds), ``router.core.predict.Predictor`` computes every replica's
+hit, and ``router.core.policy`` chooses, with the service's candidate terms (router in-flight
 count, pending prefill, running/waiting/KV usage read from the replica as a fresh
 ``/metrics`` scrape would).
 
 Bounds: ``oracle`` runs the ``kv`` cost model on each pool's true state at decision time
 (``pool.find_hit``); ``infinite`` is the reuse of the trace itself with unlimited capacity on
-one replica (:func:`router.workload.trace_reuse_bound`; layout-blind, so an upper bound).
+one replica (:func:`gpu_emitter.workload.trace_reuse_bound`; layout-blind, so an upper bound).
 
 Prediction error, per routed request on the chosen replica:
 
@@ -25,7 +25,7 @@ Prediction error, per routed request on the chosen replica:
 * ``blind_over``: the group-blind prediction minus the true hit at decision time (what other
   routers believe: never under, over on sliding-window layouts).
 
-Scaling (stated in every result): see :mod:`router.workload`; defaults: one 512-token trace
+Scaling (stated in every result): see :mod:`gpu_emitter.workload`; defaults: one 512-token trace
 block becomes 32 tokens (all token counts / 16), prefill costs ``0.05 ms x 16`` per scaled
 token (20 k real tokens/s), one decode step (one scaled output token) 20 ms, arrivals sped up
 so that each replica sees about 0.8 requests/s whatever the sample and the replica count
@@ -58,12 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from router.builtin_tokenizer import NUM_WORDS, WORD_OFFSET  # noqa: E402
-from router.config import PolicyConfig  # noqa: E402
-from router.index import KVIndex  # noqa: E402
-from router.policy import Candidate, make_policy  # noqa: E402
-from router.predict import Predictor  # noqa: E402
-from router.workload import (  # noqa: E402
+from gpu_emitter.tokenizer import NUM_WORDS, WORD_OFFSET  # noqa: E402
+from gpu_emitter.workload import (  # noqa: E402
     ScaledRequest,
     Scaling,
     default_trace_path,
@@ -72,6 +68,10 @@ from router.workload import (  # noqa: E402
     synthetic_trace,
     trace_reuse_bound,
 )
+from router.config import PolicyConfig  # noqa: E402
+from router.core.index import KVIndex  # noqa: E402
+from router.core.policy import Candidate, make_policy  # noqa: E402
+from router.core.predict import Predictor  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 POLICIES = ("kv", "prefix_group_blind", "least_load", "round_robin")

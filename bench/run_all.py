@@ -79,9 +79,9 @@ def decision_latency(lengths: Sequence[int], replicas: int = 8, repeat: int = 30
     """Predictor latency against prompt length on fa_swa: full hit (memo warm) and novel."""
     from gpu_emitter.block_pool import HybridBlockPool, ModelShape
     from gpu_emitter.layouts import load_layout
-    from router.index import KVIndex
-    from router.predict import Predictor
-    from router.workload import block_token_ids
+    from gpu_emitter.workload import block_token_ids
+    from router.core.index import KVIndex
+    from router.core.predict import Predictor
 
     layout = load_layout("fa_swa")
     rows = []

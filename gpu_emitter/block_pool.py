@@ -12,7 +12,7 @@ Three layers, as in vLLM's ``v1/core``:
 - :mod:`gpu_emitter.managers` (vLLM's per-type managers): which positions a group holds,
   which blocks it frees as the request advances and which full blocks it hashes (spec §4.7).
 - :class:`HybridBlockPool` (vLLM's ``KVCacheManager`` + ``HybridKVCacheCoordinator``): the
-  hit (:func:`router.hybrid.find_longest_cache_hit` over the pool's own ``(group, hash)``
+  hit (:func:`router.core.hybrid.find_longest_cache_hit` over the pool's own ``(group, hash)``
   presence, the same code the router runs), admission, decode, free, reset, and one KV
   tensor per group.
 
@@ -69,6 +69,16 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
+from events.hashing import BlockHasher, LazyChain, RequestKeys
+from events.layout import (
+    FA_TYPE_KINDS,
+    SLIDING_KINDS,
+    GroupKind,
+    LayoutError,
+    ModelLayout,
+    ResolvedLayout,
+    resolve,
+)
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from gpu_emitter.managers import (
     NULL_BLOCK,
@@ -78,17 +88,7 @@ from gpu_emitter.managers import (
     manager_for,
     reachable_boundaries,
 )
-from router.hashing import BlockHasher, LazyChain, RequestKeys
-from router.hybrid import HitResult, find_longest_cache_hit
-from router.layout import (
-    FA_TYPE_KINDS,
-    SLIDING_KINDS,
-    GroupKind,
-    LayoutError,
-    ModelLayout,
-    ResolvedLayout,
-    resolve,
-)
+from router.core.hybrid import HitResult, find_longest_cache_hit
 
 __all__ = [
     "BlockPoolCore",
@@ -426,7 +426,7 @@ class HybridBlockPool:
 
     Args:
         layout: the model's KV-cache groups and hash settings (validated with
-            :func:`router.layout.resolve`).
+            :func:`events.layout.resolve`).
         num_blocks: physical blocks, including vLLM's null block (so ``num_blocks - 1`` are
             usable), shared by all groups.
         shape: per-group KV tensor shape.

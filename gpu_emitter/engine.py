@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import xxhash
 
 from gpu_emitter.cost_model import CostModel
-from router.builtin_tokenizer import NUM_WORDS, WORD_OFFSET
+from gpu_emitter.tokenizer import NUM_WORDS, WORD_OFFSET
 
 __all__ = [
     "BlockPool",

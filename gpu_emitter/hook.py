@@ -25,9 +25,9 @@ from typing import Any
 
 import msgspec
 
+from events.hashing import to_wire
 from events.publisher import EventPublisher
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
-from router.hashing import to_wire
 
 __all__ = ["HashFormError", "PublisherHook"]
 

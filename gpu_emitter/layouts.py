@@ -1,7 +1,7 @@
 """Model layouts shipped as TOML (``config/layouts/*.toml``), loaded by name or path.
 
 Torch-free on purpose: the router CLI imports it. A layout file is a
-:class:`router.layout.ModelLayout` in TOML (``[[groups]]`` tables, an optional ``[hash]``
+:class:`events.layout.ModelLayout` in TOML (``[[groups]]`` tables, an optional ``[hash]``
 table, ``retention_interval``, ``prefix_match_unit``). TOML has no null, so
 ``retention_interval = "none"`` stands for vLLM's ``None`` (dense retention).
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from router.layout import LayoutError, ModelLayout, resolve
+from events.layout import LayoutError, ModelLayout, resolve
 
 __all__ = ["LAYOUT_DIR", "LayoutFileError", "load_layout", "parse_layout", "shipped_layouts"]
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from router.layout import SLIDING_KINDS, GroupKind, GroupSpec
+from events.layout import SLIDING_KINDS, GroupKind, GroupSpec
 
 if TYPE_CHECKING:
     from gpu_emitter.block_pool import BlockPoolCore, Request

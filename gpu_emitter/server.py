@@ -10,7 +10,7 @@ Routes (request and response shapes follow vLLM 0.32's):
   spec §4.1; no logprobs are computed), ``skip_reading_prefix_cache``, ``return_token_ids``
   (adds ``prompt_token_ids`` and ``token_ids`` to the choice), ``n`` must be 1.
 * ``POST /v1/chat/completions``: ``messages`` through the builtin chat template
-  (:mod:`router.builtin_tokenizer`), ``max_tokens``/``max_completion_tokens``,
+  (:mod:`gpu_emitter.tokenizer`), ``max_tokens``/``max_completion_tokens``,
   ``add_generation_prompt`` (default true), ``add_special_tokens`` (default false), and the
   same streaming, prefix-cache and token-id options.
 * ``usage.prompt_tokens_details.cached_tokens`` is the pool's real local hit for the request
@@ -44,8 +44,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpu_emitter import tokenizer as tok
 from gpu_emitter.engine import Engine, EngineError, RequestHandle
-from router import builtin_tokenizer as tok
 
 __all__ = ["DEFAULT_MAX_TOKENS", "ApiError", "ReplicaInfo", "create_app", "render_metrics"]
 

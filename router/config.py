@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from events.layout import LayoutError, ModelLayout, resolve
 from events.publisher import EndpointError, offset_endpoint_port, validate_endpoint
-from router.layout import LayoutError, ModelLayout, resolve
 
 __all__ = [
     "ConfigError",
@@ -86,7 +86,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_bytes: int = 1 << 30
-    """Memory budget of each pool's index tables (router.index)."""
+    """Memory budget of each pool's index tables (router.core.index)."""
     replay_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -97,7 +97,7 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How the router computes the token ids the replica will compute (router.tokenize)."""
+    """How the router computes the token ids the replica will compute (router.core.tokenize)."""
 
     strategy: Literal["builtin", "local", "remote"] = "builtin"
     path: str | None = None
@@ -112,7 +112,7 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The cost model's knobs (router.policy documents the formula)."""
+    """The cost model's knobs (router.core.policy documents the formula)."""
 
     name: Literal["kv", "round_robin", "least_load", "prefix_group_blind"] = "kv"
     per_request_tokens: float = 256.0
@@ -144,7 +144,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     speculative_insert: bool = False
     """Count the blocks a just-routed request will cache on its replica as present (for
     routing only) until its events arrive, so a burst sharing a new prefix lands together
-    (router.speculative). Never changes the reported prediction. Off by default: while
+    (router.core.speculative). Never changes the reported prediction. Off by default: while
     entries share a request's first block it costs a second prediction and an insert per
     request (bench/proxy_bench.py: router CPU ~0.4 -> ~1.0 ms per 2,000-token request)."""
     speculative_ttl_s: float = 2.0

@@ -22,14 +22,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from events.hashing import BlockHasher
+from events.layout import GroupKind, GroupSpec, ModelLayout
 from events.publisher import EventPublisher
 from events.schema import BlockRemoved, BlockStored
+from gpu_emitter import tokenizer as bt
 from gpu_emitter.cli import bind_http
-from router import builtin_tokenizer as bt
-from router.hashing import BlockHasher
-from router.index import KVIndex
-from router.layout import GroupKind, GroupSpec, ModelLayout
-from router.predict import Predictor
+from router.core.index import KVIndex
+from router.core.predict import Predictor
 
 LAYOUT = ModelLayout(
     groups=(

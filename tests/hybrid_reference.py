@@ -1,4 +1,4 @@
-"""Deliberately simple, independent references for router.hybrid (test-only).
+"""Deliberately simple, independent references for router.core.hybrid (test-only).
 
 Two kinds:
 
@@ -6,7 +6,7 @@ Two kinds:
   spec §0/§4.4 directly, and the hit is the largest aligned L <= num_tokens - 1 that every spec
   group accepts, found by brute force from the top. No loop, no scanning order, no EAGLE.
 * ``literal_*``: line-by-line transcriptions of spec §4.4's pseudocode (linear scans, exactly
-  as written), to check that the optimised finders in router.hybrid probe in a different
+  as written), to check that the optimised finders in router.core.hybrid probe in a different
   order but answer the same, EAGLE and ``B != A`` included.
 
 Nothing here is fast; the tests keep sizes small.
@@ -14,8 +14,8 @@ Nothing here is fast; the tests keep sizes small.
 
 from __future__ import annotations
 
-from router.hybrid import Presence
-from router.layout import FA_TYPE_KINDS, SLIDING_KINDS, GroupKind, ResolvedLayout, SpecGroup
+from events.layout import FA_TYPE_KINDS, SLIDING_KINDS, GroupKind, ResolvedLayout, SpecGroup
+from router.core.hybrid import Presence
 
 
 def _cached(has: Presence, ids: tuple[int, ...], b: int, h: int, j: int) -> bool:

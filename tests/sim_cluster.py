@@ -9,7 +9,7 @@ served over HTTP by uvicorn on a thread. Its HTTP server can be stopped (the por
 connections) and started again on the same port over the same pool and publisher, so a test
 can kill a replica's front end and bring it back with its cache intact.
 
-:class:`SimCluster` starts three of them and the router (``router.service.create_app`` over
+:class:`SimCluster` starts three of them and the router (``router.server.app.create_app`` over
 ``router.config.parse_config``) on its own uvicorn thread, subscribed to their events.
 Every server binds its own socket first (no free-port race) and is stopped with a deadline.
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from events.layout import GroupKind, GroupSpec, ModelLayout
 from events.publisher import EventPublisher
 from gpu_emitter.block_pool import HybridBlockPool
 from gpu_emitter.cli import event_source
@@ -28,8 +29,7 @@ from gpu_emitter.cost_model import CostModel
 from gpu_emitter.engine import Engine
 from gpu_emitter.server import ReplicaInfo, create_app
 from router.config import RouterConfig, parse_config
-from router.layout import GroupKind, GroupSpec, ModelLayout
-from router.service import create_app as create_router_app
+from router.server.app import create_app as create_router_app
 from tests.fake_replica import ServerThread
 from tests.zmq_helpers import LOOPBACK, wait_for
 
@@ -49,7 +49,7 @@ LAYOUT = ModelLayout(
 )
 FA = "full_attention[0]"
 SWA = "sliding_window[1]"
-"""Spec-group names as ``/admin/route/explain`` prints them (router.predict)."""
+"""Spec-group names as ``/admin/route/explain`` prints them (router.core.predict)."""
 
 
 class SimReplica:

@@ -9,8 +9,9 @@ from fake_replica import MODEL, FakeReplica, ServerThread
 from test_proxy import TOKEN, Cluster, words
 from zmq_helpers import wait_for
 
+from gpu_emitter import tokenizer
 from router.config import parse_config
-from router.service import StartupError, create_app
+from router.server.app import StartupError, create_app
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_drain_undrain_remove_add(cluster: Cluster) -> None:
         )
         assert bad.status_code == 422 and "url" in bad.text
         prompt = words(21, 120)
-        fake.serve_prompt(__import__("router.builtin_tokenizer").builtin_tokenizer.encode(prompt))
+        fake.serve_prompt(tokenizer.encode(prompt))
         wait_for(
             lambda: cluster.explain(prompt=prompt + " w3")["chosen"]["replica"] == "d",
             10,

@@ -14,6 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from events.hashing import BlockHasher, RequestKeys  # noqa: E402
+from events.layout import GroupKind, GroupSpec, HashSettings, ModelLayout  # noqa: E402
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from gpu_emitter.block_pool import (  # noqa: E402
     DuplicateRequest,
@@ -30,8 +32,6 @@ from gpu_emitter.layouts import (  # noqa: E402
     shipped_layouts,
 )
 from gpu_emitter.managers import NULL_BLOCK  # noqa: E402
-from router.hashing import BlockHasher, RequestKeys  # noqa: E402
-from router.layout import GroupKind, GroupSpec, HashSettings, ModelLayout  # noqa: E402
 
 FA16 = GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16)
 SWA64 = GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=64)

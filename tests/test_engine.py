@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from events.schema import BlockRemoved, BlockStored
+from gpu_emitter import tokenizer as tok
 from gpu_emitter.cost_model import CostModel, CostModelError
 from gpu_emitter.engine import (
     CapacityError,
@@ -23,7 +24,6 @@ from gpu_emitter.engine import (
     generated_token,
     prompt_seed,
 )
-from router import builtin_tokenizer as tok
 
 B = 16
 
@@ -157,7 +157,7 @@ def make_pool(num_blocks: int = 512) -> Any:
         from gpu_emitter.block_pool import HybridBlockPool
     except ImportError:
         return StandInPool(num_blocks)
-    from router.layout import GroupKind, GroupSpec, ModelLayout
+    from events.layout import GroupKind, GroupSpec, ModelLayout
 
     layout = ModelLayout(groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=B),))
     return HybridBlockPool(layout, num_blocks)

@@ -8,7 +8,7 @@ import sys
 
 from shared_paths import GOLDEN, require
 
-from router.replay import replay
+from router.tools.replay import replay
 
 
 def test_every_request_of_the_golden_recording_is_predicted_exactly() -> None:

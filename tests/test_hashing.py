@@ -1,4 +1,4 @@
-"""router.hashing against spec §1: test vectors, an independent naive oracle, memo and laziness."""
+"""events.hashing against spec §1: test vectors, an independent naive oracle, memo and laziness."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.hashing import (
+from events.hashing import (
     DEFAULT_NONE_HASH_SEED,
     BlockHasher,
     HashSettingsError,
@@ -25,7 +25,7 @@ from router.hashing import (
     prompt_embeds_digest,
     to_wire,
 )
-from router.layout import HashSettings
+from events.layout import HashSettings
 
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 U64 = 2**64 - 1

@@ -1,4 +1,4 @@
-"""router.hybrid against the spec's worked examples, hand-computed EAGLE and partial-hit cases,
+"""router.core.hybrid against the spec's worked examples, hand-computed EAGLE and partial-hit cases,
 literal transcriptions of the spec's pseudocode, and a brute-force declarative reference.
 
 Where the reference and vLLM's greedy loop agree (and why):
@@ -29,7 +29,8 @@ from hybrid_reference import literal_mamba, literal_sliding_window, reference_hi
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from router.hybrid import (
+from events.layout import GroupKind, GroupSpec, LayoutError, ModelLayout, ResolvedLayout, resolve
+from router.core.hybrid import (
     HitInputError,
     HitResult,
     chunked_local_hit,
@@ -39,7 +40,6 @@ from router.hybrid import (
     mamba_hit,
     sliding_window_hit,
 )
-from router.layout import GroupKind, GroupSpec, LayoutError, ModelLayout, ResolvedLayout, resolve
 
 K = GroupKind
 FA16 = GroupSpec(K.FULL_ATTENTION, 16)

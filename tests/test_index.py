@@ -1,4 +1,4 @@
-"""router.index: presence per (tier, group, hash) with copy counts, applied in stream order."""
+"""router.core.index: presence per (tier, group, hash) with copy counts, applied in stream order."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from events.layout import GroupKind, GroupSpec, ModelLayout
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent
-from router.index import IndexLimits, KVIndex, LayoutConflict, UnknownReplica
-from router.layout import GroupKind, GroupSpec, ModelLayout
+from router.core.index import IndexLimits, KVIndex, LayoutConflict, UnknownReplica
 
 FA_SWA = ModelLayout(
     groups=(
@@ -46,6 +46,7 @@ def present(index: KVIndex, key, group, h, tier="GPU") -> bool:
 
 
 def make(layout=FA_SWA, **kw) -> KVIndex:
+    kw.setdefault("verify_hashes", False)  # fake hashes: no re-hash check unless a test asks
     index = KVIndex(layout, **kw)
     index.add_replica("A")
     index.add_replica("B")

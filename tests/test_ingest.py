@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 from zmq_helpers import wait_for
 
+from events.hashing import BlockHasher
+from events.layout import GroupKind, GroupSpec, ModelLayout
 from events.publisher import EventPublisher
 from events.schema import BlockRemoved, BlockStored, DecodedBatch
 from events.stream import GapUnrecoverable, MalformedMessage, RankMismatch, StreamBatch, StreamSpec
 from events.subscriber import Subscriber
-from router.hashing import BlockHasher
-from router.index import KVIndex
-from router.ingest import IndexFeeder, UnknownStream
-from router.layout import GroupKind, GroupSpec, ModelLayout
-from router.predict import Predictor
+from router.core.index import KVIndex
+from router.core.predict import Predictor
+from router.server.ingest import IndexFeeder, UnknownStream
 
 LAYOUT = ModelLayout(
     groups=(

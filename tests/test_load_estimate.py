@@ -2,7 +2,7 @@
 
 A scraped ``num_requests_running`` is up to a scrape interval old. Counting the router's own
 requests from it kept a just-finished request weighing on the replica that had cached its
-prefix; router.service.others_load keeps only other clients' share and the router adds its
+prefix; router.server.scrape.others_load keeps only other clients' share and the router adds its
 own in-flight count at decision time.
 """
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_proxy import Cluster, cluster, words  # noqa: F401  (module fixture)
 from zmq_helpers import wait_for
 
-from router.service import others_load, parse_vllm_metrics
+from router.server.scrape import others_load, parse_vllm_metrics
 
 counts = st.integers(0, 40)
 

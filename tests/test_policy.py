@@ -1,4 +1,4 @@
-"""router.policy: the cost model's properties, ties, look-ahead and the comparison policies."""
+"""router.core.policy: the cost model's properties, ties, look-ahead and the comparison policies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.config import PolicyConfig
-from router.policy import (
+from router.core.policy import (
     Candidate,
     KVCostPolicy,
     LeastLoadPolicy,

@@ -21,6 +21,8 @@ pytest.importorskip("torch")
 from shared_paths import GOLDEN, require
 from zmq_helpers import LOOPBACK, SyncHarness, publish_until, wait_for
 
+from events.hashing import to_wire
+from events.layout import GroupKind, GroupSpec, HashSettings, ModelLayout
 from events.publisher import EventPublisher
 from events.schema import (
     AllBlocksCleared,
@@ -32,10 +34,8 @@ from events.schema import (
 from events.stream import StreamSpec
 from gpu_emitter.block_pool import HybridBlockPool
 from gpu_emitter.hook import HashFormError, PublisherHook
-from router.hashing import to_wire
-from router.index import KVIndex
-from router.layout import GroupKind, GroupSpec, HashSettings, ModelLayout
-from router.predict import Predictor
+from router.core.index import KVIndex
+from router.core.predict import Predictor
 
 FA = GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16)
 SWA64 = GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=64)

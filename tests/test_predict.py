@@ -1,4 +1,4 @@
-"""router.predict: the shared-walk fast path equals vLLM's rule over a plain presence oracle."""
+"""router.core.predict: the shared-walk fast path equals vLLM's rule over a presence oracle."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import random
 
 import pytest
 
+from events.hashing import BlockHasher
+from events.layout import GroupKind, GroupSpec, ModelLayout, resolve
 from events.schema import BlockStored
-from router.hashing import BlockHasher
-from router.hybrid import find_longest_cache_hit, group_blind_hit
-from router.index import KVIndex
-from router.layout import GroupKind, GroupSpec, ModelLayout, resolve
-from router.predict import Predictor
+from router.core.hybrid import find_longest_cache_hit, group_blind_hit
+from router.core.index import KVIndex
+from router.core.predict import Predictor
 
 LAYOUTS = {
     "fa": ModelLayout(groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),)),

@@ -12,7 +12,7 @@ from fake_replica import LAYOUT, MODEL, FakeReplica, ServerThread
 from zmq_helpers import wait_for
 
 from router.config import parse_config
-from router.service import create_app
+from router.server.app import create_app
 
 TOKEN = "t0ken"
 
@@ -141,7 +141,7 @@ def test_swa_evicted_replica_loses_although_it_holds_the_fa_blocks(cluster: Clus
 
 
 def _ids(text: str) -> list[int]:
-    from router import builtin_tokenizer as bt
+    from gpu_emitter import tokenizer as bt
 
     return bt.encode(text)
 

@@ -15,12 +15,12 @@ from zmq_helpers import wait_for
 
 from events.stream import StreamSpec
 from events.subscriber import Subscriber
+from gpu_emitter import tokenizer as tok
 from gpu_emitter.block_pool import HybridBlockPool
 from gpu_emitter.layouts import load_layout
-from router import builtin_tokenizer as tok
-from router.index import KVIndex
-from router.ingest import IndexFeeder
-from router.predict import Predictor
+from router.core.index import KVIndex
+from router.core.predict import Predictor
+from router.server.ingest import IndexFeeder
 
 
 def words(rng: random.Random, n: int) -> list[int]:

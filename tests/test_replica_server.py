@@ -26,10 +26,10 @@ from events.publisher import EventPublisher
 from events.schema import AllBlocksCleared, BlockStored
 from events.stream import StreamSpec
 from events.subscriber import Subscriber
+from gpu_emitter import tokenizer as tok
 from gpu_emitter.cost_model import CostModel
 from gpu_emitter.engine import Engine
 from gpu_emitter.server import ReplicaInfo, create_app
-from router import builtin_tokenizer as tok
 from tests.shared_paths import GOLDEN, require
 from tests.test_engine import make_pool
 from tests.zmq_helpers import LOOPBACK, wait_for

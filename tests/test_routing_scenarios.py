@@ -22,7 +22,7 @@ from bench.routing_scenarios import (  # noqa: E402
     run_scenario,
 )
 from bench.routing_sim import Sim, SimConfig  # noqa: E402
-from router.workload import ScaledRequest, Scaling  # noqa: E402
+from gpu_emitter.workload import ScaledRequest, Scaling  # noqa: E402
 
 QUICK_A = quick(SCENARIOS["A"])
 

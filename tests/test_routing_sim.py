@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.routing_sim import ORACLE, Sim, SimConfig, policy_option  # noqa: E402
-from router.workload import (  # noqa: E402
+from gpu_emitter.workload import (  # noqa: E402
     ScaledRequest,
     Scaling,
     TraceError,

@@ -3,7 +3,7 @@
 Real loopback HTTP and ZeroMQ throughout: the replicas are ``gpu_emitter``'s simulated vLLM
 (a real :class:`HybridBlockPool` of full attention + sliding window 48, 16-token blocks, vLLM's
 default retention 0, publishing its KV events), not the hand-written fakes of
-``test_proxy.py``; the router is ``router.service.create_app`` (tests/sim_cluster.py). So every
+``test_proxy.py``; the router is ``router.server.app.create_app`` (tests/sim_cluster.py). So every
 hit below is the one the pool's vLLM rules produce, and every prediction is made from the
 events the pool published.
 
@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router import builtin_tokenizer as bt
+from gpu_emitter import tokenizer as bt
 from tests.sim_cluster import FA, MODEL, NAMES, SWA, SimCluster
 from tests.zmq_helpers import wait_for
 
@@ -345,7 +345,7 @@ def test_tokenizer_parity_with_the_replicas_tokenize(cluster: SimCluster) -> Non
     replica = cluster.direct("a")
     for kind, case in cases:
         want = post(replica, case, "/tokenize").json()
-        # The call the proxy awaits (router.proxy); the builtin tokenizer never awaits
+        # The call the proxy awaits (router.server.proxy); the builtin tokenizer never awaits
         # anything, so a private event loop here is enough.
         got = asyncio.run(pool.tokenizer.tokenize(kind, case))
         assert got.token_ids == want["tokens"], case

@@ -8,7 +8,7 @@ import pytest
 from router.cli import build_parser
 
 
-@pytest.mark.parametrize("module", ["events", "router", "router.cli", "router.layout"])
+@pytest.mark.parametrize("module", ["events", "router", "router.cli", "events.layout"])
 def test_imports_without_torch(module: str) -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any 'import torch' now raises

@@ -1,4 +1,4 @@
-"""Speculative insert (router.speculative): which blocks, routing effect, and retirement."""
+"""Speculative insert (router.core.speculative): which blocks, routing effect, and retirement."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import asyncio
 import random
 from typing import Any
 
+from events.layout import GroupKind, GroupSpec, ModelLayout, resolve
 from events.schema import BlockRemoved, BlockStored
 from router.config import parse_config
-from router.hybrid import HitResult
-from router.index import KVIndex
-from router.layout import GroupKind, GroupSpec, ModelLayout, resolve
-from router.predict import Predictor
-from router.service import PoolState, RouterState
-from router.speculative import SpeculativeOverlay, speculative_blocks
+from router.core.hybrid import HitResult
+from router.core.index import KVIndex
+from router.core.predict import Predictor
+from router.core.speculative import SpeculativeOverlay, speculative_blocks
+from router.server.state import PoolState, RouterState
 
 FA_SWA = ModelLayout(
     groups=(

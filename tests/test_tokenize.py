@@ -1,4 +1,4 @@
-"""router.tokenize: local HF tokenizer parity with the real vLLM recording, builtin, fallbacks."""
+"""router.core.tokenize: local HF tokenizer parity with the real vLLM recording, builtin."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import pytest
 from shared_paths import GOLDEN, require
 
-from router import builtin_tokenizer as bt
+from gpu_emitter import tokenizer as bt
 from router.config import TokenizerConfig
-from router.tokenize import (
+from router.core.tokenize import (
     BuiltinTokenizer,
     LocalTokenizer,
     TokenizerSetupError,

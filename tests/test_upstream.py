@@ -1,4 +1,4 @@
-"""router.upstream against real loopback servers that answer exactly what each test scripts."""
+"""router.server.upstream against real loopback servers answering what each test scripts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from router.upstream import UpstreamConfigError, UpstreamError, UpstreamPool
+from router.server.upstream import UpstreamConfigError, UpstreamError, UpstreamPool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]
 """Serves one request on a connection (the int counts requests on it); False closes it."""

@@ -38,15 +38,15 @@ import msgspec
 
 from bench.real_vllm.model import word
 from bench.real_vllm.replicas import VllmFleet, stop_on_sigterm
+from events.layout import ModelLayout
 from events.schema import BlockRemoved
 from events.stream import StreamBatch, StreamSpec
 from events.subscriber import Subscriber
-from router.index import KVIndex
-from router.ingest import IndexFeeder
-from router.layout import ModelLayout
-from router.predict import Predictor
-from router.replay import load_events
-from router.tokenize import LocalTokenizer
+from router.core.index import KVIndex
+from router.core.predict import Predictor
+from router.core.tokenize import LocalTokenizer
+from router.server.ingest import IndexFeeder
+from router.tools.replay import load_events
 
 MODEL = "tiny-hybrid"
 # Fields vLLM always writes, kept even when nil so the recording reads like the golden one.

@@ -28,14 +28,12 @@ import logging
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-from router.upstream import UpstreamError
-
-if TYPE_CHECKING:
-    from router.service import ReplicaState, RouteChoice, RouterState
+from router.server.state import ReplicaState, RouteChoice, RouterState
+from router.server.upstream import UpstreamError
 
 __all__ = ["HOP_BY_HOP", "Proxy"]
 

@@ -3,7 +3,7 @@
 A prediction is only as good as its token ids: one differing id changes every block hash
 after it. Three strategies per pool:
 
-* ``builtin``: the simulated replica's tokenizer (:mod:`router.builtin_tokenizer`).
+* ``builtin``: the simulated replica's word vocabulary (:class:`BuiltinTokenizer`).
 * ``local``: the replica's own Hugging Face tokenizer directory (``tokenizer.json`` through the
   ``tokenizers`` library; the chat template of ``tokenizer_config.json`` rendered with jinja2
   the way ``transformers``' ``apply_chat_template`` does). Completions encode with special
@@ -19,7 +19,9 @@ and counts the reason; it is never rejected for it.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,30 +128,76 @@ class RequestTokenizer(Protocol):
 
 
 class BuiltinTokenizer:
-    """The simulated replica's tokenizer."""
+    """The simulated replica's word vocabulary, implemented here on its own.
+
+    The rule (also the tiny real-vLLM test model's WordLevel vocabulary for ``wN`` text): ids
+    0..6 are ``<pad> <eos> <bos> <unk> <system> <user> <assistant>``; the word ``wN``
+    (``N < 2041``, no leading zeros) is ``N + 7``; any other word is BLAKE2b-8 of its UTF-8
+    bytes, big-endian, modulo 2041, plus 7; text splits on whitespace; a completion gets a
+    leading BOS (2) unless ``add_special_tokens`` is false. A chat renders
+    ``"<{role}> {content} "`` per message and ``"<assistant>"`` for the generation prompt.
+
+    ``gpu_emitter.tokenizer`` is the replica's implementation of the same rule. The two are
+    written apart on purpose: tests compare this one with the replica's ``/tokenize`` and with
+    the test model's ``tokenizer.json``, so agreement is evidence, not an identity.
+    """
 
     strategy = "builtin"
 
-    def __init__(self) -> None:
-        from router import builtin_tokenizer as bt
+    _SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<system>", "<user>", "<assistant>")
+    _BOS = 2
+    _WORDS = 2041
+    _WORD = re.compile(r"w(0|[1-9][0-9]{0,3})")
 
-        self._bt = bt
+    def __init__(self) -> None:
+        self._memo: dict[str, int] = {t: i for i, t in enumerate(self._SPECIALS)}
+
+    def _id(self, word: str) -> int:
+        tid = self._memo.get(word)
+        if tid is None:
+            m = self._WORD.fullmatch(word)
+            if m is not None and int(m.group(1)) < self._WORDS:
+                tid = len(self._SPECIALS) + int(m.group(1))
+            else:
+                raw = hashlib.blake2b(word.encode("utf-8", "surrogatepass"), digest_size=8)
+                tid = len(self._SPECIALS) + int.from_bytes(raw.digest(), "big") % self._WORDS
+            if len(self._memo) < 1 << 17:  # bounded: hostile prompts bring endless words
+                self._memo[word] = tid
+        return tid
+
+    def _encode(self, text: str, bos: bool) -> list[int]:
+        ids = [self._BOS] if bos else []
+        ids.extend(map(self._id, text.split()))
+        return ids
+
+    @staticmethod
+    def _render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str | None:
+        parts = []
+        for m in messages:
+            role, content = m.get("role"), m.get("content")
+            if not isinstance(role, str) or not role or role.split() != [role]:
+                return None
+            if isinstance(content, list):
+                texts = [p.get("text") for p in content]
+                if not all(isinstance(t, str) for t in texts):
+                    return None
+                content = " ".join(texts)
+            elif content is None:
+                content = ""
+            parts.append(f"<{role}> {content} ")
+        return "".join(parts) + ("<assistant>" if add_generation_prompt else "")
 
     def tokenize_sync(self, kind: Kind, body: dict[str, Any]) -> Tokenized:
         what = prompt_input(kind, body)
-        try:
-            if isinstance(what, _Text):
-                return Tokenized(self._bt.encode(what.text, what.add_special_tokens))
-            if isinstance(what, _Ids):
-                return Tokenized(what.ids)
-            if isinstance(what, _Chat):
-                return Tokenized(
-                    self._bt.encode_chat(
-                        what.messages, what.add_generation_prompt, what.add_special_tokens
-                    )
-                )
-        except self._bt.TokenizerInputError:
-            return Tokenized(None, "tokenizer_rejected")
+        if isinstance(what, _Text):
+            return Tokenized(self._encode(what.text, what.add_special_tokens))
+        if isinstance(what, _Ids):
+            return Tokenized(what.ids)
+        if isinstance(what, _Chat):
+            text = self._render(what.messages, what.add_generation_prompt)
+            if text is None:
+                return Tokenized(None, "tokenizer_rejected")
+            return Tokenized(self._encode(text, what.add_special_tokens))
         return what
 
     async def tokenize(self, kind: Kind, body: dict[str, Any]) -> Tokenized:

@@ -40,13 +40,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from events.hashing import BlockHasher, RequestKeys
+from events.layout import GroupKind, ResolvedLayout
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from events.stream import StreamBatch, StreamItem
-from router.hashing import RequestKeys
-from router.hybrid import HitResult
-from router.index import KVIndex, ReplicaKey
-from router.layout import GroupKind, ResolvedLayout
-from router.predict import Prediction, Predictor
+from router.core.hybrid import HitResult
+from router.core.index import KVIndex, ReplicaKey
+from router.core.predict import Prediction, Predictor
 
 __all__ = ["SpeculativeOverlay", "speculative_blocks"]
 
@@ -130,7 +130,9 @@ class _View:
     def __init__(self, index: KVIndex, overlay: SpeculativeOverlay) -> None:
         self._index = index
         self._overlay = overlay
-        self.conformance = None  # set by Predictor; the view never checks conformance
+
+    def hasher(self) -> BlockHasher | None:
+        return self._index.hasher()
 
     @property
     def layout(self) -> ResolvedLayout | None:

@@ -1,55 +1,38 @@
-"""The router process: state per pool (index, predictor, policy, tokenizer, replicas), the app
-factory, and the lifespan that runs the event subscribers and the ``/metrics`` scraper.
+"""What the proxy and the admin API share, one copy of it: per pool the index, predictor,
+policy, tokenizer and replicas (with their load, connections and event subscribers).
 
-Everything runs on the serving event loop: each replica's :class:`AsyncSubscriber` feeds the
-index from that loop, so the index is read and written by one thread only (router.ingest).
-
-The ASGI app is a thin dispatcher: ``POST /v1/completions`` and ``/v1/chat/completions`` go
-straight to :class:`router.proxy.Proxy` (the hot path, raw ASGI, no framework on it); every
-other path goes to a FastAPI app (``/v1/models``, ``/health``, ``/metrics``, ``/admin``).
-Requests go upstream on :mod:`router.upstream` keep-alive pools (httpx only scrapes
-``/metrics``); with ``policy.speculative_insert`` a pool routes over index + the
-:mod:`router.speculative` overlay, which the subscribers' items retire.
+This module knows neither face: :mod:`router.server.app` builds the state and hands it to the
+proxy, the admin API and the scraper. Each replica's :class:`AsyncSubscriber` feeds the index
+from the serving loop (:mod:`router.server.ingest`); with ``policy.speculative_insert`` a pool
+routes over index + the :mod:`router.core.speculative` overlay, which the subscribers' items
+retire.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
 import logging
-import re
 import socket
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
 
 from events.stream import StreamSpec, StreamStats
 from events.subscriber import AsyncSubscriber
-from router.config import PoolConfig, ReplicaConfig, RouterConfig, is_loopback
-from router.hashing import RequestKeys
-from router.index import IndexLimits, KVIndex, ReplicaKey
-from router.ingest import IndexFeeder
-from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
-from router.predict import Prediction, Predictor
-from router.speculative import SpeculativeOverlay
-from router.tokenize import RequestTokenizer, make_tokenizer
-from router.upstream import UpstreamPool
+from router.config import PoolConfig, ReplicaConfig, RouterConfig
+from router.core.index import IndexLimits, KVIndex, ReplicaKey
+from router.core.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
+from router.core.predict import Prediction, Predictor, body_request_keys
+from router.core.speculative import SpeculativeOverlay
+from router.core.tokenize import RequestTokenizer, make_tokenizer
+from router.server.ingest import IndexFeeder
+from router.server.metrics import RouterMetrics
+from router.server.upstream import UpstreamPool
 
-__all__ = ["PoolState", "ReplicaState", "RouterState", "StartupError", "create_app"]
+__all__ = ["PoolState", "ReplicaState", "RouteChoice", "RouterState"]
 
 log = logging.getLogger("kvrouter.serve")
-
-
-class StartupError(RuntimeError):
-    """The router cannot start safely with this config; the message says what to change."""
 
 
 @dataclass
@@ -60,7 +43,7 @@ class ReplicaState:
     client: httpx.AsyncClient
     """For ``/metrics`` scrapes (off the hot path)."""
     upstream: UpstreamPool
-    """Keep-alive connections the proxy forwards requests on (router.upstream)."""
+    """Keep-alive connections the proxy forwards requests on (router.server.upstream)."""
     ranks: list[int]
     drained: bool = False
     in_flight: dict[int, int] = field(default_factory=dict)
@@ -278,7 +261,7 @@ class PoolState:
         replicas: list[ReplicaKey] | None = None,
     ) -> Prediction:
         """The events-only prediction for every replica (or ``replicas``)."""
-        keys, skip = _request_keys(body)
+        keys, skip = body_request_keys(body)
         return self.predictor.predict(
             token_ids,
             keys,
@@ -302,7 +285,7 @@ class PoolState:
             pred = self.predict(token_ids, body, explain)
             overlay = self.speculative
             if overlay is not None:
-                keys, skip = _request_keys(body)
+                keys, skip = body_request_keys(body)
                 try:
                     spec = overlay.predict(
                         token_ids,
@@ -339,75 +322,12 @@ class PoolState:
         )
 
 
-def _request_keys(body: dict[str, Any]) -> tuple[RequestKeys | None, bool]:
-    """The request's extra hash keys and whether vLLM skips reading the cache for it."""
-    salt = body.get("cache_salt")
-    keys = RequestKeys(cache_salt=salt) if isinstance(salt, str) and salt else None
-    skip = body.get("prompt_logprobs") is not None or bool(body.get("skip_reading_prefix_cache"))
-    return keys, skip
-
-
 def _get(d: dict[int, float], rank: int, avg: bool = False) -> Any:
     if not d:
         return None
     if rank in d:
         return d[rank]
     return d.get(-1)
-
-
-def others_load(
-    running: dict[int, float],
-    waiting: dict[int, float],
-    mine_before: dict[int, int],
-    mine_after: dict[int, int],
-) -> tuple[dict[int, float], dict[int, float]]:
-    """Split a replica's scraped running/waiting counts into other clients' share.
-
-    The router's own requests at the scrape (the larger of its in-flight count before and
-    after the GET, so a request finishing meanwhile is not taken for someone else's) are
-    taken off ``running`` first and the remainder off ``waiting``. Unlabelled metrics (-1)
-    cover every rank."""
-    others_r: dict[int, float] = {}
-    others_w: dict[int, float] = {}
-    for eng in running.keys() | waiting.keys():
-        if eng == -1:
-            mine = max(sum(mine_before.values()), sum(mine_after.values()))
-        else:
-            mine = max(mine_before.get(eng, 0), mine_after.get(eng, 0))
-        run = running.get(eng, 0.0)
-        others_r[eng] = max(0.0, run - mine)
-        others_w[eng] = max(0.0, waiting.get(eng, 0.0) - max(0.0, mine - run))
-    return others_r, others_w
-
-
-_METRIC = re.compile(
-    rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"
-    rb"|vllm:gpu_cache_usage_perc)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)",
-    re.M,
-)
-_ENGINE = re.compile(rb'engine="(\d+)"')
-
-
-def parse_vllm_metrics(text: bytes) -> dict[str, dict[int, float]]:
-    """running / waiting / kv_usage per engine (DP rank; -1 when unlabelled), summed."""
-    out: dict[str, dict[int, float]] = {"running": {}, "waiting": {}, "kv_usage": {}}
-    names = {
-        b"vllm:num_requests_running": "running",
-        b"vllm:num_requests_waiting": "waiting",
-        b"vllm:kv_cache_usage_perc": "kv_usage",
-        b"vllm:gpu_cache_usage_perc": "kv_usage",
-    }
-    for m in _METRIC.finditer(text):
-        name, labels, value = m.groups()
-        em = _ENGINE.search(labels or b"")
-        rank = int(em.group(1)) if em else -1
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        d = out[names[name]]
-        d[rank] = d.get(rank, 0.0) + v
-    return out
 
 
 class RouterState:
@@ -422,7 +342,6 @@ class RouterState:
             maxlen=config.server.mismatch_log_size
         )
         self.started = False
-        self._tasks: list[asyncio.Task[None]] = []
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [
@@ -450,121 +369,15 @@ class RouterState:
                 self.models[name] = pool
             for rcfg in pcfg.replicas:
                 await pool.add_replica(rcfg)
-        if self.config.server.metrics_scrape_interval_s > 0:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._scrape_loop()))
         self.started = True
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
         for pool in self.pools.values():
             for name in list(pool.replicas):
                 await pool.remove_replica(name)
             await pool.tokenizer.aclose()
 
-    async def scrape_once(self) -> None:
-        async def one(rep: ReplicaState) -> None:
-            path = rep.cfg.metrics_path
-            if path is None:
-                return
-            before = dict(rep.in_flight)
-            try:
-                r = await rep.client.get(path, timeout=self.config.server.connect_timeout_s)
-                r.raise_for_status()
-            except httpx.HTTPError as exc:
-                rep.scrape_error = f"{type(exc).__name__}: {exc}"
-                return
-            parsed = parse_vllm_metrics(r.content)
-            rep.running, rep.waiting, rep.kv_usage = (
-                parsed["running"],
-                parsed["waiting"],
-                parsed["kv_usage"],
-            )
-            rep.others_running, rep.others_waiting = others_load(
-                parsed["running"], parsed["waiting"], before, rep.in_flight
-            )
-            rep.scraped_at = time.time()
-            rep.scrape_error = None
-
-        reps = [r for p in self.pools.values() for r in p.replicas.values()]
-        await asyncio.gather(*(one(r) for r in reps))
-
-    async def _scrape_loop(self) -> None:
-        interval = self.config.server.metrics_scrape_interval_s
-        while True:
-            try:
-                await self.scrape_once()
-            except Exception:  # never let the scraper die silently
-                log.exception("metrics scrape failed")
-            await asyncio.sleep(interval)
-
     def record_mismatch(self, entry: dict[str, Any]) -> None:
         self.mismatches.append(entry)
 
 
-def check_startup(config: RouterConfig) -> None:
-    s = config.server
-    if s.admin_enabled and not s.admin_token and not is_loopback(s.host):
-        raise StartupError(
-            f"admin API enabled on non-loopback host {s.host!r} without a token: set "
-            f"server.admin_token (or KVROUTER_ADMIN_TOKEN), or admin_enabled = false"
-        )
-
-
-def create_app(config: RouterConfig) -> Any:
-    """The router's ASGI app. ``app.state.router`` (FastAPI side) is the :class:`RouterState`."""
-    from router.admin import admin_router
-    from router.proxy import Proxy
-
-    check_startup(config)
-    state = RouterState(config)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await state.start()
-        try:
-            yield
-        finally:
-            await state.stop()
-
-    api = FastAPI(title="kvrouter", lifespan=lifespan, version="0.1.0")
-    api.state.router = state
-
-    @api.get("/health")
-    async def health() -> Response:
-        if not state.started:
-            return JSONResponse({"status": "starting"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @api.get("/v1/models")
-    async def models() -> Response:
-        now = int(time.time())
-        data = [
-            {"id": name, "object": "model", "created": now, "owned_by": "kvrouter"}
-            for name in state.models
-        ]
-        return JSONResponse({"object": "list", "data": data})
-
-    @api.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    if config.server.admin_enabled:
-        api.include_router(admin_router(state))
-
-    proxy = Proxy(state)
-    routes = {b"/v1/completions": "completion", b"/v1/chat/completions": "chat"}
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            kind = routes.get(scope.get("raw_path") or scope["path"].encode())
-            if kind is not None:
-                await proxy.handle(kind, scope, receive, send)
-                return
-        await api(scope, receive, send)
-
-    app.state = api.state  # type: ignore[attr-defined]
-    app.fastapi = api  # type: ignore[attr-defined]
-    return app

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.layout import (
+from events.layout import (
     FA_TYPE_KINDS,
     SLIDING_KINDS,
     GroupKind,

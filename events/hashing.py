@@ -36,7 +36,7 @@ import cbor2
 import msgspec
 import xxhash
 
-from router.layout import HashSettings
+from events.layout import HashSettings
 
 __all__ = [
     "DEFAULT_MEMO_ENTRIES",
@@ -512,7 +512,7 @@ class BlockHasher:
         if type(hash_block_size) is not int or hash_block_size < 1:
             raise HashSettingsError(
                 f"hash_block_size must be a positive int (got {hash_block_size!r}); derive "
-                "it with router.layout.resolve()"
+                "it with events.layout.resolve()"
             )
         if memo_entries < 0 or memo_span < 1:
             raise ValueError("memo_entries must be >= 0 and memo_span >= 1")

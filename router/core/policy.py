@@ -11,14 +11,14 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
     look_ahead    = lookahead_weight · fa_prefix_tokens
     cost          = prefill + queued - look_ahead
 
-* ``gpu_hit`` is the exact hybrid hit vLLM will report (router.predict); an untrusted replica
+* ``gpu_hit`` is the exact hybrid hit vLLM will report (router.core.predict); an untrusted replica
   has ``gpu_hit = tier hits = fa_prefix = 0``: never a guess (ARCHITECTURE decision 3).
 * ``pending_prefill_tokens`` are the uncached prompt tokens of the requests the router sent
   there that have not produced a first byte yet: the prefill the replica still owes.
 * ``running``/``waiting``/``kv_usage`` come from the replica's ``/metrics`` (None: unknown,
   treated as 0 but ``router_in_flight`` still counts). The service passes ``running`` as its
   own in-flight count now plus other clients' running requests at the last scrape, and
-  ``waiting`` as other clients' waiting requests (router.service.others_load): a raw scraped
+  ``waiting`` as other clients' waiting requests (router.server.scrape.others_load): a raw scraped
   count is up to a scrape interval old and kept pushing sequential requests off the replica
   that had just cached their prefix.
 * **Look ahead.** ``fa_prefix_tokens`` is the longest single-group hit (``HitResult.longest``:

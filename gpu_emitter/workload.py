@@ -19,7 +19,7 @@ Scaling, because the trace is 145 M prompt tokens (12,031 requests of up to 126 
   whole conversations keeps the trace's reuse (about 42 % at every stride from 10 to 40, 37 %
   for the full trace), where a contiguous slice of a few hundred requests keeps under 10 %.
 
-Token ids are ``wN`` words of the builtin vocabulary (``router.builtin_tokenizer``), so the
+Token ids are ``wN`` words of the builtin vocabulary (``gpu_emitter.tokenizer``), so the
 simulated replicas accept them as a prompt and the router's ``builtin`` tokenizer agrees.
 """
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from router.builtin_tokenizer import NUM_WORDS, WORD_OFFSET
+from gpu_emitter.tokenizer import NUM_WORDS, WORD_OFFSET
 
 __all__ = [
     "TRACE_BLOCK_TOKENS",

@@ -11,7 +11,7 @@ with a comparison table. Results (``demo.json``, ``demo_policies.png``, each run
 config and logs) go to the output folder named at the end.
 
 The workload is a sample of whole conversations of the Mooncake conversation trace (see
-:mod:`router.workload`), or a synthetic Mooncake-shaped one when the trace file is absent.
+:mod:`gpu_emitter.workload`), or a synthetic Mooncake-shaped one when the trace file is absent.
 Every process is started in its own process group and stopped (SIGTERM, then SIGKILL) on the
 way out, Ctrl-C included. This module imports no torch: the replicas are subprocesses.
 """
@@ -443,7 +443,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> Path:
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[Any], str, Any]:
-    from router.workload import (
+    from gpu_emitter.workload import (
         Scaling,
         default_trace_path,
         load_trace,

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvrouter serve: {exc}", file=sys.stderr)
         return 2
-    from router.service import StartupError, check_startup
+    from router.server.app import StartupError, check_startup
 
     try:
         check_startup(config)
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from router.service import create_app
+    from router.server.app import create_app
 
     logging.basicConfig(level=config.server.log_level.upper())
     app = create_app(config)

@@ -1,9 +1,9 @@
 """A request's hit on every replica: hash its chain, look it up once, apply vLLM's rule.
 
 This composes the three parts in the one direction data flows (spec §5.3):
-:mod:`router.hashing` turns token ids into the request's fine chain of wire hashes (lazily, so
-a prompt that misses everywhere costs one memo step of hashing), :mod:`router.index` answers
-each ``(group, hash)`` lookup with a bitmask of replicas, and :mod:`router.hybrid` runs vLLM's
+:mod:`events.hashing` turns token ids into the request's fine chain of wire hashes (lazily, so
+a prompt that misses everywhere costs one memo step of hashing), :mod:`router.core.index` answers
+each ``(group, hash)`` lookup with a bitmask of replicas, and :mod:`router.core.hybrid` runs vLLM's
 ``find_longest_cache_hit`` per replica over those masks.
 
 No lookup is repeated across replicas. The contiguous full-attention run, the part of the
@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.hashing import BlockHasher, LazyChain, RequestKeys, expected_stored_hashes
-from router.hybrid import HitResult, find_longest_cache_hit, group_blind_hit
-from router.index import KVIndex, ReplicaKey
-from router.layout import ResolvedLayout
+from events.hashing import BlockHasher, LazyChain, RequestKeys
+from events.layout import ResolvedLayout
+from router.core.hybrid import HitResult, find_longest_cache_hit, group_blind_hit
+from router.core.index import KVIndex, ReplicaKey
 
-__all__ = ["Prediction", "Predictor", "ReplicaHit"]
+__all__ = ["Prediction", "Predictor", "ReplicaHit", "body_request_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,36 +180,14 @@ class _AnyPresence:
 
 
 class Predictor:
-    """Predicts hits for one pool's index; also serves the index's live conformance check."""
+    """Predicts hits for one pool's index (reads it; never writes it)."""
 
-    def __init__(self, index: KVIndex, *, memo_entries: int = 1 << 17) -> None:
+    def __init__(self, index: KVIndex) -> None:
         self.index = index
-        self._memo_entries = memo_entries
-        self._hasher: BlockHasher | None = None
-        self._hasher_for: tuple | None = None
-        index.conformance = self._conformance
 
     def hasher(self) -> BlockHasher | None:
-        """The block hasher for the pool's current layout (None until the layout is known)."""
-        layout = self.index.layout
-        if layout is None:
-            return None
-        want = (layout.layout.hash, layout.hash_block_size)
-        if self._hasher is None or self._hasher_for != want:
-            self._hasher = BlockHasher(
-                layout.layout.hash, layout.hash_block_size, memo_entries=self._memo_entries
-            )
-            self._hasher_for = want
-        return self._hasher
-
-    def _conformance(
-        self, token_ids: Sequence[int], block_size: int, cache_salt: str | None
-    ) -> list | None:
-        hasher = self.hasher()
-        if hasher is None:
-            return None
-        keys = RequestKeys(cache_salt=cache_salt) if cache_salt is not None else None
-        return expected_stored_hashes(hasher, token_ids, block_size, keys)
+        """The index's block hasher (None until the layout is known)."""
+        return self.index.hasher()
 
     def predict(
         self,
@@ -303,3 +281,12 @@ class Predictor:
             }
             out.append(ReplicaHit(r, res.hit_tokens, True, None, res, blind_hit, tier_hits))
         return Prediction(n, chain.hashed, layout, tuple(out))
+
+
+def body_request_keys(body: dict) -> tuple[RequestKeys | None, bool]:
+    """An OpenAI request body's extra hash keys (spec §1.4: the cache salt) and whether vLLM
+    skips reading the prefix cache for it (``prompt_logprobs``, ``skip_reading_prefix_cache``)."""
+    salt = body.get("cache_salt")
+    keys = RequestKeys(cache_salt=salt) if isinstance(salt, str) and salt else None
+    skip = body.get("prompt_logprobs") is not None or bool(body.get("skip_reading_prefix_cache"))
+    return keys, skip

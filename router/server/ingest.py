@@ -27,7 +27,7 @@ from events.stream import (
     StreamItem,
     StreamReset,
 )
-from router.index import KVIndex, ReplicaKey
+from router.core.index import KVIndex, ReplicaKey
 
 __all__ = ["IndexFeeder", "UnknownStream"]
 

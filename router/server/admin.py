@@ -2,24 +2,22 @@
 
 Every route needs ``Authorization: Bearer <server.admin_token>`` when a token is configured
 (401 without credentials, 403 with a wrong token). Without a token the API is only served on
-a loopback host (router.service refuses to start otherwise).
+a loopback host (router.server.state refuses to start otherwise).
 """
 
 from __future__ import annotations
 
 import hmac
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, Field
 
 from router.config import ReplicaConfig
-from router.index import TIERS
-
-if TYPE_CHECKING:
-    from router.service import PoolState, RouterState
+from router.core.index import TIERS
+from router.server.state import PoolState, RouterState
 
 __all__ = ["admin_router"]
 

@@ -32,25 +32,26 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
-from events.schema import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    LazyTokensBlockStored,
-    UnknownEvent,
-)
-from router.layout import (
+from events.hashing import DEFAULT_MEMO_ENTRIES, BlockHasher, RequestKeys, expected_stored_hashes
+from events.layout import (
     GroupKind,
     GroupSpec,
     LayoutError,
     ModelLayout,
     ResolvedLayout,
     resolve,
+)
+from events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    LazyTokensBlockStored,
+    UnknownEvent,
 )
 
 __all__ = [
@@ -221,10 +222,14 @@ class KVIndex:
 
     ``layout`` may declare the groups; with ``layout.groups == ()`` they are learned from the
     first events (kind, window, full-block size per ``group_idx``) and the rest (hash
-    settings, retention, prefix-match unit) is taken from ``layout``. ``conformance`` is an
-    optional callable ``(token_ids, block_size, cache_salt) -> list[wire hash] | None`` that
-    recomputes what a root full-attention store must contain, or None when it cannot yet (see
-    :mod:`router.predict`).
+    settings, retention, prefix-match unit) is taken from ``layout``.
+
+    ``verify_hashes`` turns on the live conformance check (ARCHITECTURE decision 1): root
+    full-attention stores are re-hashed from their token ids with :meth:`hasher` and compared.
+    ``conformance`` replaces that check with any callable ``(token_ids, block_size,
+    cache_salt) -> list[wire hash] | None`` (None: cannot tell yet); tests use it to inject
+    expected hashes. The hasher lives here, not in the predictor, so the index never calls up
+    into the layer that reads it.
     """
 
     def __init__(
@@ -232,13 +237,20 @@ class KVIndex:
         layout: ModelLayout,
         *,
         limits: IndexLimits | None = None,
-        conformance=None,
+        conformance: Callable[[Sequence[int], int, str | None], list | None] | None = None,
+        verify_hashes: bool = True,
         pool: str = "default",
+        hash_memo_entries: int = DEFAULT_MEMO_ENTRIES,
     ) -> None:
         self.pool = pool
         self.declared = layout
         self.limits = limits or IndexLimits()
         self.conformance = conformance
+        if conformance is None and verify_hashes:
+            self.conformance = self._rehash_root
+        self._memo_entries = hash_memo_entries
+        self._hasher: BlockHasher | None = None
+        self._hasher_for: tuple | None = None
         self._tiers = {t: _Tier() for t in TIERS}
         self._replicas: dict[ReplicaKey, _Replica] = {}
         self._free_slots: list[int] = []
@@ -297,6 +309,28 @@ class KVIndex:
     def layout(self) -> ResolvedLayout | None:
         """The resolved layout, or None while groups are still being learned."""
         return self._resolved
+
+    def hasher(self) -> BlockHasher | None:
+        """The block hasher of the pool's current layout (None until the layout is known)."""
+        layout = self._resolved
+        if layout is None:
+            return None
+        want = (layout.layout.hash, layout.hash_block_size)
+        if self._hasher is None or self._hasher_for != want:
+            self._hasher = BlockHasher(
+                layout.layout.hash, layout.hash_block_size, memo_entries=self._memo_entries
+            )
+            self._hasher_for = want
+        return self._hasher
+
+    def _rehash_root(
+        self, token_ids: Sequence[int], block_size: int, cache_salt: str | None
+    ) -> list | None:
+        hasher = self.hasher()
+        if hasher is None:
+            return None
+        keys = RequestKeys(cache_salt=cache_salt) if cache_salt is not None else None
+        return expected_stored_hashes(hasher, token_ids, block_size, keys)
 
     def _learn(self, rep: _Replica, ev: BlockStored, g: int) -> str | None:
         """Check a store's group metadata against the pool; returns a conflict or None."""

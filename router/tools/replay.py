@@ -20,10 +20,10 @@ from typing import NamedTuple
 
 import msgspec
 
+from events.layout import HashSettings, ModelLayout
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
-from router.index import KVIndex, ReplicaStats
-from router.layout import HashSettings, ModelLayout
-from router.predict import Predictor
+from router.core.index import KVIndex, ReplicaStats
+from router.core.predict import Predictor
 
 __all__ = [
     "RecordedBatch",
@@ -249,7 +249,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layout",
         type=Path,
-        help="a TOML file declaring the pool's layout (router.layout.ModelLayout); by default "
+        help="a TOML file declaring the pool's layout (events.layout.ModelLayout); by default "
         "the groups are learned from the events and the hash settings read from meta.json",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -1,0 +1,107 @@
+"""The router's ASGI app: the factory and its lifespan.
+
+The app is a thin dispatcher: ``POST /v1/completions`` and ``/v1/chat/completions`` go straight
+to :class:`router.server.proxy.Proxy` (the hot path, raw ASGI, no framework on it); every other
+path goes to a FastAPI app (``/v1/models``, ``/health``, ``/metrics``, ``/admin``). This is the
+one module that knows every face; the state it hands them (:mod:`router.server.state`) knows
+none of them, so no face reaches around another.
+
+The lifespan starts the pools (their replicas' event subscribers run on the serving loop, so the
+index is read and written by one thread only) and the ``/metrics`` scraper, and stops both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from router.config import RouterConfig, is_loopback
+from router.server.admin import admin_router
+from router.server.metrics import CONTENT_TYPE
+from router.server.proxy import Proxy
+from router.server.scrape import scrape_forever
+from router.server.state import RouterState
+
+__all__ = ["StartupError", "check_startup", "create_app"]
+
+
+class StartupError(RuntimeError):
+    """The router cannot start safely with this config; the message says what to change."""
+
+
+def check_startup(config: RouterConfig) -> None:
+    """Refuse configs that would expose the admin API unauthenticated."""
+    s = config.server
+    if s.admin_enabled and not s.admin_token and not is_loopback(s.host):
+        raise StartupError(
+            f"admin API enabled on non-loopback host {s.host!r} without a token: set "
+            f"server.admin_token (or KVROUTER_ADMIN_TOKEN), or admin_enabled = false"
+        )
+
+
+def create_app(config: RouterConfig) -> Any:
+    """The router's ASGI app. ``app.state.router`` (FastAPI side) is the :class:`RouterState`."""
+    check_startup(config)
+    state = RouterState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        scraper = None
+        if config.server.metrics_scrape_interval_s > 0:
+            scraper = asyncio.get_running_loop().create_task(scrape_forever(state))
+        try:
+            yield
+        finally:
+            if scraper is not None:
+                scraper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scraper
+            await state.stop()
+
+    api = FastAPI(title="kvrouter", lifespan=lifespan, version="0.1.0")
+    api.state.router = state
+
+    @api.get("/health")
+    async def health() -> Response:
+        if not state.started:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/v1/models")
+    async def models() -> Response:
+        now = int(time.time())
+        data = [
+            {"id": name, "object": "model", "created": now, "owned_by": "kvrouter"}
+            for name in state.models
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    if config.server.admin_enabled:
+        api.include_router(admin_router(state))
+
+    proxy = Proxy(state)
+    routes = {b"/v1/completions": "completion", b"/v1/chat/completions": "chat"}
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            kind = routes.get(scope.get("raw_path") or scope["path"].encode())
+            if kind is not None:
+                await proxy.handle(kind, scope, receive, send)
+                return
+        await api(scope, receive, send)
+
+    app.state = api.state  # type: ignore[attr-defined]
+    app.fastapi = api  # type: ignore[attr-defined]
+    return app

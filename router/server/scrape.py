@@ -1,0 +1,116 @@
+"""Replica load from vLLM's Prometheus ``/metrics``: parse it, split off the router's own
+share, and keep every replica's :class:`~router.server.state.ReplicaState` current.
+
+The scraped counts can be a scrape interval old, so what the policy uses is *other clients'*
+share of them (:func:`others_load`) plus the router's own in-flight count at decision time
+(``PoolState.candidates``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+
+import httpx
+
+from router.server.state import ReplicaState, RouterState
+
+__all__ = ["others_load", "parse_vllm_metrics", "scrape_forever", "scrape_once"]
+
+log = logging.getLogger("kvrouter.scrape")
+
+_METRIC = re.compile(
+    rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"
+    rb"|vllm:gpu_cache_usage_perc)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)",
+    re.M,
+)
+_ENGINE = re.compile(rb'engine="(\d+)"')
+_NAMES = {
+    b"vllm:num_requests_running": "running",
+    b"vllm:num_requests_waiting": "waiting",
+    b"vllm:kv_cache_usage_perc": "kv_usage",
+    b"vllm:gpu_cache_usage_perc": "kv_usage",
+}
+
+
+def parse_vllm_metrics(text: bytes) -> dict[str, dict[int, float]]:
+    """running / waiting / kv_usage per engine (DP rank; -1 when unlabelled), summed."""
+    out: dict[str, dict[int, float]] = {"running": {}, "waiting": {}, "kv_usage": {}}
+    for m in _METRIC.finditer(text):
+        name, labels, value = m.groups()
+        em = _ENGINE.search(labels or b"")
+        rank = int(em.group(1)) if em else -1
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        d = out[_NAMES[name]]
+        d[rank] = d.get(rank, 0.0) + v
+    return out
+
+
+def others_load(
+    running: dict[int, float],
+    waiting: dict[int, float],
+    mine_before: dict[int, int],
+    mine_after: dict[int, int],
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Split a replica's scraped running/waiting counts into other clients' share.
+
+    The router's own requests at the scrape (the larger of its in-flight count before and
+    after the GET, so a request finishing meanwhile is not taken for someone else's) are
+    taken off ``running`` first and the remainder off ``waiting``. Unlabelled metrics (-1)
+    cover every rank."""
+    others_r: dict[int, float] = {}
+    others_w: dict[int, float] = {}
+    for eng in running.keys() | waiting.keys():
+        if eng == -1:
+            mine = max(sum(mine_before.values()), sum(mine_after.values()))
+        else:
+            mine = max(mine_before.get(eng, 0), mine_after.get(eng, 0))
+        run = running.get(eng, 0.0)
+        others_r[eng] = max(0.0, run - mine)
+        others_w[eng] = max(0.0, waiting.get(eng, 0.0) - max(0.0, mine - run))
+    return others_r, others_w
+
+
+async def scrape_replica(rep: ReplicaState, timeout: float) -> None:
+    """One scrape of one replica; a failure is kept in ``rep.scrape_error``, never raised."""
+    path = rep.cfg.metrics_path
+    if path is None:
+        return
+    before = dict(rep.in_flight)
+    try:
+        r = await rep.client.get(path, timeout=timeout)
+        r.raise_for_status()
+    except httpx.HTTPError as exc:
+        rep.scrape_error = f"{type(exc).__name__}: {exc}"
+        return
+    parsed = parse_vllm_metrics(r.content)
+    rep.running, rep.waiting = parsed["running"], parsed["waiting"]
+    rep.kv_usage = parsed["kv_usage"]
+    rep.others_running, rep.others_waiting = others_load(
+        parsed["running"], parsed["waiting"], before, rep.in_flight
+    )
+    rep.scraped_at = time.time()
+    rep.scrape_error = None
+
+
+async def scrape_once(state: RouterState) -> None:
+    """Scrape every replica of every pool concurrently."""
+    timeout = state.config.server.connect_timeout_s
+    reps = [r for p in state.pools.values() for r in p.replicas.values()]
+    await asyncio.gather(*(scrape_replica(r, timeout) for r in reps))
+
+
+async def scrape_forever(state: RouterState) -> None:
+    """The lifespan's background task: scrape at ``server.metrics_scrape_interval_s``."""
+    interval = state.config.server.metrics_scrape_interval_s
+    while True:
+        try:
+            await scrape_once(state)
+        except Exception:  # never let the scraper die silently
+            log.exception("metrics scrape failed")
+        await asyncio.sleep(interval)
