@@ -1,7 +1,10 @@
-"""vLLM KV-cache event SDK: the wire schema, a vLLM-compatible publisher and subscribers.
+"""vLLM KV-cache event SDK: the wire schema, a vLLM-compatible publisher and subscribers,
+and the parts of vLLM's contract both sides of it need: the block hash chain
+(:mod:`events.hashing`) and the model layout (:mod:`events.layout`).
 
-Usable on its own, without the router: ``from events import decode_batch, Subscriber``.
-See :mod:`events.subscriber` for a minimal example.
+Usable on its own, without the router or torch: ``from events import decode_batch, Subscriber``.
+See :mod:`events.subscriber` for a minimal example. The router (``router/``) and the simulated
+engine (``gpu_emitter/``) both build on this package and never on each other.
 """
 
 from events.publisher import (

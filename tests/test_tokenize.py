@@ -6,6 +6,8 @@ import asyncio
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from shared_paths import GOLDEN, require
 
 from gpu_emitter import tokenizer as bt
@@ -100,3 +102,40 @@ def test_async_face() -> None:
     tok = make_tokenizer(TokenizerConfig(), model="m", urls=list)
     got = asyncio.run(tok.tokenize("completion", {"prompt": "w0 w1"}))
     assert got.token_ids == [2, 7, 8]
+
+
+_word = st.one_of(
+    st.integers(0, 2100).map(lambda n: f"w{n}"),  # in and past the vocabulary
+    st.sampled_from(["<bos>", "<user>", "<tool>", "w007", "w-1", "W5", "ww1", "w1.5"]),
+    st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=6),
+)
+_text = st.lists(_word, max_size=12).map(" ".join) | st.text(max_size=40)
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=_text, bos=st.booleans())
+def test_builtin_equals_the_replica_tokenizer_on_any_text(text: str, bos: bool) -> None:
+    """Two implementations of one vocabulary rule (router's and the simulated replica's)."""
+    body = {"prompt": text, "add_special_tokens": bos}
+    assert BuiltinTokenizer().tokenize_sync("completion", body).token_ids == bt.encode(text, bos)
+
+
+_content = _text | st.none() | st.lists(_text.map(lambda t: {"type": "text", "text": t}))
+_role = st.sampled_from(["system", "user", "assistant", "tool", "", "two words", "x\ty"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    messages=st.lists(st.fixed_dictionaries({"role": _role, "content": _content}), min_size=1),
+    gen=st.booleans(),
+)
+def test_builtin_chat_equals_the_replica_tokenizer(messages: list, gen: bool) -> None:
+    got = BuiltinTokenizer().tokenize_sync(
+        "chat", {"messages": messages, "add_generation_prompt": gen}
+    )
+    try:
+        want = bt.encode_chat(messages, gen)
+    except bt.TokenizerInputError:
+        assert got.token_ids is None and got.reason == "tokenizer_rejected"
+    else:
+        assert got.token_ids == want
