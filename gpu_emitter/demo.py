@@ -6,9 +6,10 @@ replicas: a hybrid block pool with vLLM's caching rules, KV events over ZeroMQ, 
 server with ``cached_tokens``; the KV capacity is small so eviction happens) and one
 ``kvrouter serve`` with a generated config in the output folder. It replays the same workload
 through the router's HTTP port (streaming completions, token-id prompts, each request at its
-scaled arrival time), prints a progress line every two seconds, stops everything and ends
-with a comparison table. Results (``demo.json``, ``demo_policies.png``, each run's router
-config and logs) go to the output folder named at the end.
+scaled arrival time, at most ``--max-in-flight`` at once if set), prints a progress line every
+two seconds, stops everything and ends with a comparison table. Results (``demo.json``,
+``demo_policies.png``, each run's router config and logs) go to the output folder named at
+the end.
 
 The workload is a sample of whole conversations of the Mooncake conversation trace (see
 :mod:`gpu_emitter.workload`), or a synthetic Mooncake-shaped one when the trace file is absent.
@@ -108,6 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         default=None,
         help="output folder (default: ./kvrouter-demo-<date-time>)",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=0,
+        help="at most this many requests outstanding through the router (0: no limit, each "
+        "request goes at its arrival time); 1 sends each request only once the previous one "
+        "has finished, so every prediction sees the events of all earlier requests",
     )
     parser.add_argument(
         "--replica-time-scale",
@@ -288,12 +297,25 @@ class Live:
         )
 
 
-async def _one(client: Any, url: str, req: Any, out: Outcome, live: Live, t0: float) -> None:
-    import httpx
-
+async def _one(
+    client: Any,
+    url: str,
+    req: Any,
+    out: Outcome,
+    live: Live,
+    t0: float,
+    limit: asyncio.Semaphore | None,
+) -> None:
     delay = t0 + req.arrival_s - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
+    async with limit if limit is not None else contextlib.nullcontext():
+        await _send(client, url, req, out, live)
+
+
+async def _send(client: Any, url: str, req: Any, out: Outcome, live: Live) -> None:
+    import httpx
+
     ids = req.token_ids()
     body = {
         "model": MODEL,
@@ -336,15 +358,20 @@ async def _one(client: Any, url: str, req: Any, out: Outcome, live: Live, t0: fl
         live.done.append(out)
 
 
-async def _replay(url: str, requests: Sequence[Any], live: Live, label: str) -> list[Outcome]:
+async def _replay(
+    url: str, requests: Sequence[Any], live: Live, label: str, max_in_flight: int = 0
+) -> list[Outcome]:
     import httpx
 
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
     outs = [Outcome(r.index) for r in requests]
+    # asyncio.Semaphore serves its waiters first come, first served: with a limit the
+    # requests still go in arrival order.
+    limit = asyncio.Semaphore(max_in_flight) if max_in_flight > 0 else None
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
         t0 = time.monotonic() + 0.2
         tasks = [
-            asyncio.create_task(_one(client, url, r, o, live, t0))
+            asyncio.create_task(_one(client, url, r, o, live, t0, limit))
             for r, o in zip(requests, outs, strict=True)
         ]
         pending = set(tasks)
@@ -483,6 +510,7 @@ def _check(args: argparse.Namespace) -> list[str]:
         (args.duration > 0, "--duration must be > 0"),
         (args.time_scale is None or args.time_scale >= 0, "--time-scale must be >= 0"),
         (args.num_blocks >= 2, "--num-blocks must be >= 2"),
+        (args.max_in_flight >= 0, "--max-in-flight must be >= 0"),
     ]
     for ok, msg in problems:
         if not ok:
@@ -541,7 +569,7 @@ def run_policy(
     _wait_healthy(url, router, 60.0)
     live = Live(len(requests), [f"sim-{i}" for i in range(args.replicas)])
     t = time.monotonic()
-    outs = asyncio.run(_replay(url, requests, live, label))
+    outs = asyncio.run(_replay(url, requests, live, label, args.max_in_flight))
     wall = time.monotonic() - t
     procs.stop_all()
     row = summarize(policy, outs, wall)

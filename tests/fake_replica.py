@@ -4,8 +4,10 @@ The fake serves the OpenAI routes the router proxies (JSON and SSE), ``/tokenize
 ``/metrics``, and publishes on a real ZeroMQ :class:`EventPublisher` the ``BlockStored``
 events vLLM would publish for each prompt (layout ``fa_swa``: full attention and a
 sliding window of 48 tokens, 16-token blocks; FA stores every full block, SWA the last 4).
-Its ``cached_tokens`` is the hit of its own state computed with the project's predictor
-(plus ``lie_by`` when a test wants a mismatch). Test knobs: ``fail_status`` (answer 5xx),
+Its ``cached_tokens`` is the hit of what it holds, by a rule written out here for this one
+layout (:meth:`FakeReplica.own_hit`) and not by the router's code, so a router test that
+compares the router's prediction with it compares two independent implementations (plus
+``lie_by`` when a test wants a mismatch). Test knobs: ``fail_status`` (answer 5xx),
 ``die_after_chunks`` (drop the connection mid-stream), ``evict_swa(prompt)``.
 """
 
@@ -15,6 +17,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -28,8 +31,6 @@ from events.publisher import EventPublisher
 from events.schema import BlockRemoved, BlockStored
 from gpu_emitter import tokenizer as bt
 from gpu_emitter.cli import bind_http
-from router.core.index import KVIndex
-from router.core.predict import Predictor
 
 LAYOUT = ModelLayout(
     groups=(
@@ -37,6 +38,12 @@ LAYOUT = ModelLayout(
         GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=48),
     )
 )
+BLOCK = 16
+"""Tokens per block in both groups (so the hash unit and the alignment are 16 too)."""
+SWA_TAIL = 4
+"""Sliding-window blocks the fake stores per prompt: the last 4 full blocks."""
+SWA_NEED = 3
+"""Blocks the window needs below a hit boundary: ceil((48 - 1) / 16) (spec §0.4, §4.4)."""
 MODEL = "fake-model"
 LOOPBACK = "tcp://127.0.0.1:*"
 
@@ -47,9 +54,10 @@ class FakeReplica:
         self.model = model
         self.pub = EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
         self.hasher = BlockHasher(LAYOUT.hash, 16)
-        self.index = KVIndex(LAYOUT)
-        self.index.add_replica("self", 0)
-        self.predictor = Predictor(self.index)
+        self.fa: Counter[int] = Counter()
+        """Full-attention blocks held: wire hash -> physical copies (spec §5.2 counts them)."""
+        self.swa: Counter[int] = Counter()
+        """Sliding-window blocks held, likewise."""
         self.lock = threading.Lock()
         self.fail_status: int | None = None
         self.die_after_chunks: int | None = None
@@ -68,32 +76,63 @@ class FakeReplica:
         common = dict(parent_block_hash=None, lora_id=None, medium="GPU", lora_name=None)
         return [
             BlockStored(
-                block_hashes=wire, token_ids=ids[: n * 16], block_size=16, group_idx=0,
+                block_hashes=wire, token_ids=ids[: n * BLOCK], block_size=BLOCK, group_idx=0,
                 kv_cache_spec_kind="full_attention", **common,
             ),
             BlockStored(
-                block_hashes=wire[max(0, n - 4) :], token_ids=ids[: n * 16], block_size=16,
-                group_idx=1, kv_cache_spec_kind="sliding_window",
+                block_hashes=wire[max(0, n - SWA_TAIL) :], token_ids=ids[: n * BLOCK],
+                block_size=BLOCK, group_idx=1, kv_cache_spec_kind="sliding_window",
                 kv_cache_spec_sliding_window=48, **common,
             ),
         ]  # fmt: skip
+
+    def own_hit(self, ids: list[int]) -> int:
+        """The prefix-cache hit of ``ids`` on what this fake holds now.
+
+        Spec §0.4/§4.5 for this layout (FA + SWA window 48, both 16-token blocks, alignment
+        16, no EAGLE): the largest ``L``, a multiple of 16 and at most ``len(ids) - 1``, such
+        that
+
+        * full attention holds every block ``0 .. L/16 - 1`` (a contiguous run from block 0),
+        * the sliding window holds the ``need = ceil(47/16) = 3`` blocks ending at ``L``,
+          i.e. blocks ``max(0, L/16 - 3) .. L/16 - 1`` (all of them from block 0 when
+          ``L < 48``).
+
+        ``L = 0`` always qualifies. Block ``j``'s hash is the chain hash at token
+        ``16*(j+1)``, the same value in both groups (spec §1.4)."""
+        wire = self.hasher.wire_chain(ids)
+        best = 0
+        for blocks in range(1, (len(ids) - 1) // BLOCK + 1):
+            if not all(self.fa[h] > 0 for h in wire[:blocks]):
+                break  # FA is a run from block 0: no longer L can qualify either
+            if all(self.swa[h] > 0 for h in wire[max(0, blocks - SWA_NEED) : blocks]):
+                best = blocks * BLOCK
+        return best
+
+    def _hold(self, wire: list[int]) -> None:
+        """Store ``wire``'s blocks as :meth:`_events_for` announces them."""
+        self.fa.update(wire)
+        self.swa.update(wire[max(0, len(wire) - SWA_TAIL) :])
 
     def serve_prompt(self, ids: list[int]) -> int:
         """The hit of ``ids`` now, then cache it and publish the events (before answering,
         like vLLM)."""
         with self.lock:
-            hit = self.predictor.predict(ids).hit(("self", 0)).hit_tokens
+            hit = self.own_hit(ids)
             evs = self._events_for(ids)
-            self.index.apply_events(("self", 0), evs)
+            self._hold(self.hasher.wire_chain(ids))
             self.pub.publish(evs)
         return hit
 
     def evict_swa(self, ids: list[int]) -> None:
-        """Drop the sliding-window blocks of ``ids`` (the FA blocks stay), as vLLM does."""
+        """Drop one copy of the sliding-window blocks of ``ids`` (the FA blocks stay), as
+        vLLM does."""
         wire = self.hasher.wire_chain(ids)
-        ev = BlockRemoved(block_hashes=wire[max(0, len(wire) - 4) :], medium="GPU", group_idx=1)
+        gone = wire[max(0, len(wire) - SWA_TAIL) :]
+        ev = BlockRemoved(block_hashes=gone, medium="GPU", group_idx=1)
         with self.lock:
-            self.index.apply_events(("self", 0), [ev])
+            self.swa.subtract(gone)
+            self.swa = +self.swa  # unary + keeps only the positive counts
             self.pub.publish([ev])
 
     # ------------------------------------------------------------------ http

@@ -8,6 +8,7 @@ own in-flight count at decision time.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from test_proxy import Cluster, cluster, words  # noqa: F401  (module fixture)
@@ -17,19 +18,52 @@ from router.server.scrape import others_load, parse_vllm_metrics
 
 counts = st.integers(0, 40)
 
+# (scraped running, scraped waiting, router in flight before the GET, after it)
+#   -> (others' running, others' waiting), worked by hand.
+CASES = [
+    ((5, 2, 0, 0), (5, 2)),  # the router has nothing there: all of it is others'
+    ((5, 2, 3, 3), (2, 2)),  # the router's 3 are among the running
+    ((5, 2, 2, 3), (2, 2)),  # one more started during the GET: 3 of the router's
+    ((5, 2, 3, 1), (2, 2)),  # two finished during the GET: still counted as 3
+    ((3, 2, 3, 3), (0, 2)),  # every running request is the router's
+    ((3, 2, 4, 4), (0, 1)),  # one of the router's 4 is still waiting
+    ((3, 2, 5, 5), (0, 0)),  # two of them waiting: nothing left for others
+    ((3, 2, 9, 9), (0, 0)),  # the scrape is older than the router's count: not negative
+    ((0, 4, 2, 2), (0, 2)),  # the router's 2 were just admitted, both waiting
+    ((0, 0, 2, 0), (0, 0)),  # an idle replica
+    ((7, 0, 1, 0), (6, 0)),
+]
+
+
+@pytest.mark.parametrize(("scraped", "others"), CASES)
+def test_others_load_by_hand(scraped, others) -> None:
+    run, wait, before, after = scraped
+    r, w = others_load({0: float(run)}, {0: float(wait)}, {0: before}, {0: after})
+    assert (r, w) == ({0: float(others[0])}, {0: float(others[1])})
+
 
 @given(counts, counts, counts, counts)
-def test_own_requests_come_off_running_first_then_waiting(run, wait, before, after) -> None:
+def test_others_load_properties(run, wait, before, after) -> None:
     r, w = others_load({0: float(run)}, {0: float(wait)}, {0: before}, {0: after})
-    mine = max(before, after)
-    assert r[0] == max(0, run - mine)
-    assert w[0] == max(0, wait - max(0, mine - run))
-    # Never more than was scraped, never negative, and all of it when the router has none.
+    # Never negative, never more than was scraped.
     assert 0 <= r[0] <= run and 0 <= w[0] <= wait
-    if mine == 0:
+    # The router's own requests cover at most what it had in flight at either end of the GET.
+    assert r[0] + w[0] >= run + wait - max(before, after)
+    # No own requests: the scrape unchanged.
+    if before == after == 0:
         assert (r[0], w[0]) == (run, wait)
-    # Others' load plus the router's own covers what the replica reported.
-    assert r[0] + w[0] + mine >= run + wait
+    # Before and after play the same part.
+    assert others_load({0: float(run)}, {0: float(wait)}, {0: after}, {0: before}) == (r, w)
+    # One more own request never makes others' load larger.
+    r2, w2 = others_load({0: float(run)}, {0: float(wait)}, {0: before + 1}, {0: after + 1})
+    assert r2[0] <= r[0] and w2[0] <= w[0]
+
+
+def test_an_engine_in_only_one_metric() -> None:
+    # engine 0 reports running only, engine 1 waiting only; the router has 1 on engine 1,
+    # which is taken off engine 1's waiting since it has nothing running.
+    r, w = others_load({0: 2.0}, {1: 3.0}, {1: 1}, {1: 1})
+    assert (r, w) == ({0: 2.0, 1: 0.0}, {0: 0.0, 1: 2.0})
 
 
 def test_unlabelled_metrics_count_every_rank_of_the_router() -> None:

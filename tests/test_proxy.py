@@ -9,6 +9,7 @@ import httpx
 import msgspec
 import pytest
 from fake_replica import LAYOUT, MODEL, FakeReplica, ServerThread
+from prometheus_client.parser import text_string_to_metric_families
 from zmq_helpers import wait_for
 
 from router.config import parse_config
@@ -59,13 +60,22 @@ class Cluster:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def hits(self, prompt: str) -> dict[str, int]:
-        return {
-            row["replica"]: row["hit_tokens"] for row in self.explain(prompt=prompt)["replicas"]
-        }
+    def hits(self, prompt: str | list[int]) -> dict[str, int]:
+        """Each replica's predicted hit of a text prompt or of token ids."""
+        key = "prompt" if isinstance(prompt, str) else "token_ids"
+        ex = self.explain(**{key: prompt})
+        return {row["replica"]: row["hit_tokens"] for row in ex["replicas"]}
 
-    def wait_hits(self, prompt: str, cond, what: str) -> dict[str, int]:
+    def wait_hits(self, prompt: str | list[int], cond, what: str) -> dict[str, int]:
         return wait_for(lambda: (h := self.hits(prompt)) and cond(h) and h, 10, what)
+
+    def sample(self, name: str, **labels: str) -> float:
+        """One sample of the router's ``/metrics`` (0.0 while the labelled child is absent)."""
+        for family in text_string_to_metric_families(self.http.get("/metrics").text):
+            for s in family.samples:
+                if s.name == name and s.labels == labels:
+                    return s.value
+        return 0.0
 
     def reset_knobs(self) -> None:
         for fake, _ in self.fakes.values():
@@ -109,13 +119,15 @@ def test_shared_prefix_lands_on_the_replica_that_has_it(cluster: Cluster) -> Non
     with cluster.direct("b") as b:
         assert b.post("/v1/completions", json={"model": MODEL, "prompt": prefix + " w1"}).is_success
     prompt = prefix + " w2 w3"
-    cluster.wait_hits(prompt, lambda h: h["b"] > 0, "b's events indexed")
+    # b holds BOS + 301 words = 302 tokens: FA blocks 0..17 (288 tokens), SWA blocks 14..17.
+    # The new prompt (303 tokens) shares the first 301, so L <= 302 gives 288: FA 0..17 and
+    # the window's 3 blocks 15..17 are all held.
+    cluster.wait_hits(prompt, lambda h: h["b"] == 288, "b's events indexed")
     r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
     assert r.status_code == 200
     assert r.headers["x-kvrouter-replica"] == "b"
-    predicted = int(r.headers["x-kvrouter-predicted-hit"])
-    assert predicted >= 256
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
+    assert r.headers["x-kvrouter-predicted-hit"] == "288"
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
 
 
 def test_swa_evicted_replica_loses_although_it_holds_the_fa_blocks(cluster: Cluster) -> None:
@@ -140,6 +152,74 @@ def test_swa_evicted_replica_loses_although_it_holds_the_fa_blocks(cluster: Clus
     assert r.headers["x-kvrouter-replica"] == "c"
 
 
+def test_fake_replica_hit_rule_by_hand() -> None:
+    """The fake's own hit rule (what the router's predictions are checked against) on
+    hand-worked cases: FA 16-token blocks, SWA window 48 (3 blocks), SWA holds the last 4."""
+    fake = FakeReplica("solo")
+    try:
+        p = [2] + [7 + (97 * i + 13) % 2000 for i in range(301)]  # 302 tokens, 18 blocks
+        assert fake.serve_prompt(p) == 0  # nothing held yet
+        # Same prompt: L <= 301 -> 288; FA 0..17 and SWA 15..17 held.
+        assert fake.own_hit(p) == 288
+        # 272 tokens: L <= 271, so 256 is the top candidate; it needs SWA 13..15 but SWA
+        # holds 14..17 only, and no lower boundary has its 3 window blocks either.
+        assert fake.own_hit(p[:272]) == 0
+        # 273 tokens: L <= 272 -> 272 needs SWA 14..16: held.
+        assert fake.own_hit(p[:273]) == 272
+        # Diverging inside block 15: FA holds 0..14 (240) but SWA 12..14 is not held.
+        assert fake.own_hit(p[:250] + [9] * 60) == 0
+        # Below the window (L < 48) every block from 0 must be in the SWA group.
+        assert fake.own_hit(p[:40]) == 0
+        fake.serve_prompt(p[:40])  # stores FA 0..1 and SWA 0..1
+        assert fake.own_hit(p[:40]) == 32
+        assert fake.own_hit(p[:33]) == 32 and fake.own_hit(p[:32]) == 16
+        # Two copies of the tail are held: one eviction leaves one, a second leaves none.
+        fake.serve_prompt(p)
+        fake.evict_swa(p)
+        assert fake.own_hit(p) == 288
+        fake.evict_swa(p)
+        # SWA 14..17 gone; what is left is the short prompt's SWA 0..1 under FA 0..17
+        assert fake.own_hit(p) == 32
+        assert fake.own_hit(p[:40]) == 32
+    finally:
+        fake.close()
+
+
+def test_predicted_header_equals_the_replicas_own_hit(cluster: Cluster) -> None:
+    """The router's prediction (events -> index -> hybrid rule) against the fake's own hit
+    rule (:meth:`FakeReplica.own_hit`, no router code), on hand-worked cases. Only b is
+    routable, so every request lands on the replica whose state the cases are worked for."""
+    for name in ("a", "c"):
+        r = cluster.http.post(f"/admin/replicas/{name}/drain", headers=cluster.admin)
+        assert r.status_code == 200
+    p = [2] + [7 + (89 * i + 5) % 2000 for i in range(301)]  # 302 tokens, 18 blocks
+    tail = [7 + (31 * i + 1000) % 2000 for i in range(60)]
+    assert tail[0] != p[250] and p[301] != 8
+    with cluster.direct("b") as b:  # b: FA blocks 0..17, SWA 14..17
+        assert b.post("/v1/completions", json={"model": MODEL, "prompt": p}).is_success
+    cases = [
+        # shares 301 tokens: L <= 302 -> 288, FA 0..17 and SWA 15..17 held
+        ([*p[:301], 8, 9], 288),
+        # diverges in block 15: FA has 0..14 (240) but SWA 12..14 is not held (it has
+        # 14..17) and no lower boundary has its 3 window blocks
+        (p[:250] + tail, 0),
+        # the previous prompt (310 tokens, 19 blocks: SWA 15..18) extended: L <= 314 -> 304
+        (p[:250] + tail + [10, 11, 12, 13, 14], 304),
+        # 40 tokens: L <= 39 -> 32 needs SWA blocks 0..1 (below the window), not held
+        (p[:40], 0),
+        # ... which that request stored (its last 4 = its only 2 blocks)
+        (p[:40], 32),
+        # 32 tokens: the last token is never a hit (L <= 31), so one block
+        (p[:32], 16),
+    ]
+    for prompt, expected in cases:
+        cluster.wait_hits(prompt, lambda h, e=expected: h["b"] == e, f"b predicted {expected}")
+        r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 200 and r.headers["x-kvrouter-replica"] == "b"
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (int(r.headers["x-kvrouter-predicted-hit"]), cached) == (expected, expected)
+
+
 def _ids(text: str) -> list[int]:
     from gpu_emitter import tokenizer as bt
 
@@ -159,18 +239,45 @@ def test_streaming_is_byte_for_byte_a_direct_call(cluster: Cluster) -> None:
 
 
 def test_streaming_usage_feeds_the_prediction_check(cluster: Cluster) -> None:
-    body = {
-        "model": MODEL,
-        "prompt": words(4, 200),
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    for _ in range(2):
-        with cluster.http.stream("POST", "/v1/completions", json=body) as r:
+    """``cached_tokens`` from the SSE stream's final usage chunk is compared with the
+    prediction: the per-replica counters move by hand-counted amounts, and only when the
+    stream carries usage."""
+    prompt = words(4, 200)  # BOS + 200 words = 201 tokens, 12 full blocks
+    body = {"model": MODEL, "prompt": prompt, "stream": True}
+    usage = {**body, "stream_options": {"include_usage": True}}
+
+    def stream(b: dict[str, Any]) -> str:
+        with cluster.http.stream("POST", "/v1/completions", json=b) as r:
+            assert r.status_code == 200
             b"".join(r.iter_raw())
-    text = cluster.http.get("/metrics").text
-    assert "kvrouter_prediction_checked_total" in text
-    assert "kvrouter_prediction_exact_total" in text
+            return r.headers["x-kvrouter-replica"]
+
+    def counts(rep: str) -> tuple[float, ...]:
+        return (
+            cluster.sample("kvrouter_prediction_checked_total", replica=rep),
+            cluster.sample("kvrouter_prediction_exact_total", replica=rep),
+            cluster.sample("kvrouter_prediction_abs_error_tokens_sum", replica=rep),
+            cluster.sample("kvrouter_predicted_hit_tokens_sum", pool=MODEL),
+        )
+
+    before = {name: counts(name) for name in cluster.fakes}
+    rep = stream(usage)  # a new prompt: predicted 0, cached 0
+    # Again on the same replica once its events are in: L <= 200 -> 192 (FA blocks 0..11,
+    # SWA 9..11 of the 8..11 it stored), predicted and reported alike.
+    cluster.wait_hits(prompt, lambda h: h[rep] == 192, "the first stream's blocks indexed")
+    assert stream(usage) == rep
+    assert stream(body) == rep  # no usage chunk: nothing to compare, no counter moves
+    cluster.fake(rep).lie_by = 16
+    assert stream(usage) == rep  # reports 208 against 192: checked, not exact, error 16
+    after = counts(rep)
+    old = before[rep]
+    deltas = tuple(a - b for a, b in zip(after, old, strict=True))
+    # checked: 3 usage streams; exact: the first two; |error|: 0 + 0 + 16;
+    # predicted hits: 0 + 192 + 192 (only compared requests are observed)
+    assert deltas == (3.0, 2.0, 16.0, 384.0), deltas
+    for name in cluster.fakes:
+        if name != rep:
+            assert counts(name)[:3] == before[name][:3]
 
 
 def test_failover_on_a_5xx_before_the_first_byte(cluster: Cluster) -> None:
@@ -258,10 +365,19 @@ def test_models_health_metrics(cluster: Cluster) -> None:
 def test_prediction_mismatch_is_recorded(cluster: Cluster) -> None:
     for fake, _ in cluster.fakes.values():
         fake.lie_by = 16
+    checked = {n: cluster.sample("kvrouter_prediction_checked_total", replica=n) for n in "abc"}
+    exact = {n: cluster.sample("kvrouter_prediction_exact_total", replica=n) for n in "abc"}
     r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": words(8, 64)})
     assert r.status_code == 200
+    # a new 65-token prompt: predicted 0, the replica reports 0 + 16
+    rep = r.headers["x-kvrouter-replica"]
+    assert r.headers["x-kvrouter-predicted-hit"] == "0"
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    assert cluster.sample("kvrouter_prediction_checked_total", replica=rep) == checked[rep] + 1
+    assert cluster.sample("kvrouter_prediction_exact_total", replica=rep) == exact[rep]
     mm = cluster.http.get("/admin/mismatches", headers=cluster.admin).json()["mismatches"]
-    assert mm and mm[-1]["error"] == 16 and mm[-1]["replica"] == r.headers["x-kvrouter-replica"]
+    assert mm and mm[-1]["error"] == 16 and mm[-1]["replica"] == rep
+    assert (mm[-1]["predicted"], mm[-1]["cached_tokens"]) == (0, 16)
     assert mm[-1]["prediction"]["hit_tokens"] == mm[-1]["predicted"]
     # per-group hits, recomputed for that replica when the mismatch was seen (not empty)
     groups = mm[-1]["prediction"]["spec_group_hits"]
