@@ -9,7 +9,12 @@ Measures a 32k-token prompt at H=16 (2048 fine hashes) per algorithm:
 - lazy novel, first read: a never-seen prompt where the router stops at the first miss;
 - lazy warm, every fine hash read one by one with wire(i), and with iter_block_wires().
 
-Run:  .venv/bin/python bench/hashing_bench.py [--repeat N] [--quick]
+``--baseline-rev REV`` also loads ``events/hashing.py`` as it was at git revision REV and
+times the cold chain per block for both, interleaved in this one process (same tokens, same
+machine state), so a change to the hashing code is judged by a ratio, not by two runs on a
+noisy machine.
+
+Run:  .venv/bin/python bench/hashing_bench.py [--repeat N] [--quick] [--baseline-rev REV]
 Writes bench/results/hashing_bench.json.
 """
 
@@ -17,20 +22,24 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import pickle
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from events.hashing import BlockHasher
 from events.layout import HashSettings
 
-RESULTS = Path(__file__).resolve().parent / "results" / "hashing_bench.json"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "hashing_bench.json"
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
@@ -98,11 +107,64 @@ def bench_algo(algo: str, tokens: list[int], H: int, repeat: int, rng: random.Ra
     return out
 
 
+def load_baseline(rev: str) -> ModuleType:
+    """``events/hashing.py`` at git revision ``rev``, as a module beside the current one."""
+    src = subprocess.run(
+        ["git", "show", f"{rev}:events/hashing.py"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    spec = importlib.util.spec_from_loader("baseline_hashing", loader=None)
+    if spec is None:
+        raise RuntimeError("importlib returned no spec for the baseline module")
+    mod = importlib.util.module_from_spec(spec)
+    exec(compile(src, f"{rev}:events/hashing.py", "exec"), mod.__dict__)
+    return mod
+
+
+def per_block_vs_baseline(
+    base: ModuleType, tokens: list[int], H: int, repeat: int
+) -> dict[str, dict[str, float]]:
+    """Cold chain (no memo) per block, ns: baseline and current alternating, per algo."""
+    from events import hashing
+
+    out: dict[str, dict[str, float]] = {}
+    n = len(tokens) // H
+    for algo in ALGOS:
+        s = settings_for(algo)
+        pair = {
+            "baseline": base.BlockHasher(s, H, memo_entries=0),
+            "current": hashing.BlockHasher(s, H, memo_entries=0),
+        }
+        if pair["baseline"].wire_chain(tokens) != pair["current"].wire_chain(tokens):
+            raise SystemExit(f"{algo}: baseline and current chains differ")
+        samples: dict[str, list[float]] = {k: [] for k in pair}
+        for r in range(repeat):
+            for k in sorted(pair, reverse=bool(r % 2)):  # alternate which goes first
+                t0 = time.perf_counter_ns()
+                pair[k].wire_chain(tokens)
+                samples[k].append((time.perf_counter_ns() - t0) / n)
+        out[algo] = {
+            f"{k}_{stat.__name__}_ns": stat(v)
+            for k, v in samples.items()
+            for stat in (statistics.median, min)
+        }
+        out[algo]["ratio_median"] = out[algo]["current_median_ns"] / out[algo]["baseline_median_ns"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=32_768)
     ap.add_argument("--quick", action="store_true", help="5 repeats, for a smoke run")
+    ap.add_argument(
+        "--baseline-rev",
+        metavar="REV",
+        help="also time events/hashing.py at this git revision against the current one",
+    )
     args = ap.parse_args(argv)
     repeat = 5 if args.quick else args.repeat
     H = 16
@@ -147,6 +209,16 @@ def main(argv: list[str] | None = None) -> int:
             f"K={k}: {v['median_us']:.1f}" for k, v in results["memo_span_sha256_warm"].items()
         )
     )
+    if args.baseline_rev:
+        cmp = per_block_vs_baseline(load_baseline(args.baseline_rev), tokens, H, repeat)
+        results["per_block_vs_baseline"] = {"rev": args.baseline_rev, "algos": cmp}
+        print(f"cold chain per block vs {args.baseline_rev}, ns (median / best, interleaved):")
+        for algo, r in cmp.items():
+            print(
+                f"  {algo:12} baseline {r['baseline_median_ns']:6.0f} /{r['baseline_min_ns']:5.0f}"
+                f"  current {r['current_median_ns']:6.0f} /{r['current_min_ns']:5.0f}"
+                f"  ratio {r['ratio_median']:.2f}"
+            )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")

@@ -8,25 +8,35 @@ streams, so the client's own cost stays small on a 2-core machine) sends 2,000-t
 backend, then through the router. Each cell is bounded in requests and seconds.
 
 Reported per cell: requests/s, p50/p99 latency, added p50/p99 (router minus direct) and the
-router's CPU milliseconds per request (utime+stime of the router process from /proc, divided
-by the requests it served). Targets (issue #5): <= 0.5 ms router CPU per request non-streaming
-at concurrency 16, <= 1 ms added p50 at concurrency 1.
+router's CPU milliseconds per request (CPU time of the router process's threads from /proc,
+divided by the requests it served). Targets (issue #5): <= 0.5 ms router CPU per request
+non-streaming at concurrency 16, <= 1 ms added p50 at concurrency 1.
 
     .venv/bin/python bench/proxy_bench.py [--quick] [--profile]
+        [--upstream-client own,httpx,aiohttp] [--repeat N]
 
 ``--profile`` runs the router under cProfile for the c=16 JSON cell and prints the top
 functions by cumulative time (written to bench/results/proxy_bench.prof).
+
+``--upstream-client`` A/Bs the client the proxy forwards with (bench/upstream_clients.py):
+one router process per client, all in front of the same two backends and fed the same
+prompts. Each cell (mode, concurrency) measures direct, then every client's router, in an
+order rotated per repeat; with ``--repeat N`` the table gives each client's median over the
+N repeats (added p50 is taken per repeat against that repeat's direct p50). Several clients
+write bench/results/proxy_bench_ab.json instead of proxy_bench.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "proxy_bench.json"
 TICK = os.sysconf("SC_CLK_TCK")
+SCHEDSTAT = Path("/proc/self/schedstat").exists()
 
 BACKEND = r"""
 import sys, msgspec, uvicorn
@@ -84,8 +95,21 @@ def free_port() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """CPU time of process ``pid``, summed over its threads.
+
+    From ``/proc/PID/task/*/schedstat`` (nanoseconds) where the kernel has it: ``stat``'s
+    utime+stime count 10 ms ticks, too coarse for a cell of a few hundred requests at well
+    under 1 ms each. A thread that exits within a cell would take its time with it; the
+    router's threads (event loop, ZeroMQ I/O, tokenizer pool) live as long as it does.
+    """
+    if not SCHEDSTAT:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICK
+    ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            ns += int((task / "schedstat").read_text().split()[0])
+    return ns / 1e9
 
 
 class Conn:
@@ -177,15 +201,83 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
     raise SystemExit(f"port {port} never opened")
 
 
+def start_router(
+    client: str, backends: list[tuple[int, str, str]], profile: Path | None, env: dict
+) -> tuple[int, subprocess.Popen]:
+    """``kvrouter serve`` in front of ``backends``, forwarding with upstream client ``client``."""
+    rport = free_port()
+    lines = [
+        "[server]", f"port = {rport}", "metrics_scrape_interval_s = 0", 'log_level = "error"',
+        "[[pools]]", 'model = "bench"',
+        "[pools.layout]",
+        'groups = [{kind = "full_attention", block_size = 16}, '
+        '{kind = "sliding_window", block_size = 16, sliding_window = 64}]',
+    ]  # fmt: skip
+    for i, (port, ep, rep) in enumerate(backends):
+        lines += [
+            "[[pools.replicas]]", f'name = "b{i}"', f'url = "http://127.0.0.1:{port}"',
+            f'event_endpoint = "{ep}"', f'replay_endpoint = "{rep}"',
+        ]  # fmt: skip
+    cfg = Path(tempfile.mkdtemp()) / "router.toml"
+    cfg.write_text("\n".join(lines) + "\n")
+    cmd = [sys.executable]
+    if profile is not None:
+        cmd += ["-m", "cProfile", "-o", str(profile)]
+    cmd += ["-m", "bench.upstream_clients", client, "serve", "--config", str(cfg)]
+    router = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+    )
+    return rport, router
+
+
+def summarize(samples: list[dict]) -> dict:
+    """One (mode, concurrency, client) cell over its repeats: medians (and every sample)."""
+    med = {
+        k: statistics.median(s[k] for s in samples)
+        for k in ("added_p50_ms", "added_p99_ms", "router_cpu_ms_per_request")
+    }
+    first = samples[0]
+    return {
+        "mode": first["mode"],
+        "concurrency": first["concurrency"],
+        "client": first["client"],
+        "repeats": len(samples),
+        **med,
+        "direct": {"p50_ms": statistics.median(s["direct"]["p50_ms"] for s in samples)},
+        "router": {
+            k: statistics.median(s["router"][k] for s in samples)
+            for k in ("rps", "p50_ms", "p99_ms")
+        },
+        "errors": sum(s["router"]["errors"] for s in samples),
+        "samples": samples,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests per cell")
     ap.add_argument("--profile", action="store_true", help="cProfile the router (c=16 JSON)")
     ap.add_argument("--seconds", type=float, default=10.0, help="max seconds per cell")
+    ap.add_argument(
+        "--upstream-client",
+        default="own",
+        help="comma-separated clients the proxy forwards with: own, httpx, aiohttp "
+        "(bench/upstream_clients.py); several are A/B-ed in one run",
+    )
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every cell (medians)")
     args = ap.parse_args()
+    clients = args.upstream_client.split(",")
+    from bench.upstream_clients import CLIENTS
+
+    unknown = [c for c in clients if c not in CLIENTS]
+    if unknown or len(set(clients)) != len(clients) or args.repeat < 1:
+        ap.error(f"--upstream-client: distinct names of {', '.join(CLIENTS)}; --repeat >= 1")
+    if args.profile and len(clients) > 1:
+        ap.error("--profile profiles one router: give one --upstream-client")
     n_req = {1: 200, 16: 1000, 64: 1500} if not args.quick else {1: 60, 16: 300, 64: 400}
     procs: list[subprocess.Popen] = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    prof = ROOT / "bench" / "results" / "proxy_bench.prof"
     try:
         backends = []
         for _ in range(2):
@@ -198,31 +290,12 @@ def main() -> int:
             ep, rep = p.stdout.readline().split()
             wait_port(port, p)
             backends.append((port, ep, rep))
-        rport = free_port()
-        lines = [
-            "[server]", f"port = {rport}", "metrics_scrape_interval_s = 0", 'log_level = "error"',
-            "[[pools]]", 'model = "bench"',
-            "[pools.layout]",
-            'groups = [{kind = "full_attention", block_size = 16}, '
-            '{kind = "sliding_window", block_size = 16, sliding_window = 64}]',
-        ]  # fmt: skip
-        for i, (port, ep, rep) in enumerate(backends):
-            lines += [
-                "[[pools.replicas]]", f'name = "b{i}"', f'url = "http://127.0.0.1:{port}"',
-                f'event_endpoint = "{ep}"', f'replay_endpoint = "{rep}"',
-            ]  # fmt: skip
-        cfg = Path(tempfile.mkdtemp()) / "router.toml"
-        cfg.write_text("\n".join(lines) + "\n")
-        prof = ROOT / "bench" / "results" / "proxy_bench.prof"
-        cmd = [sys.executable]
-        if args.profile:
-            cmd += ["-m", "cProfile", "-o", str(prof)]
-        cmd += ["-m", "router.cli", "serve", "--config", str(cfg)]
-        router = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
-        )
-        procs.append(router)
-        wait_port(rport, router)
+        routers: dict[str, tuple[int, subprocess.Popen]] = {}
+        for client in clients:
+            routers[client] = start_router(client, backends, prof if args.profile else None, env)
+            procs.append(routers[client][1])
+        for rport, router in routers.values():
+            wait_port(rport, router)
 
         rng = random.Random(0)
 
@@ -234,49 +307,69 @@ def main() -> int:
                 out.append(json.dumps(b, separators=(",", ":")).encode())
             return out
 
-        rows = []
-        for mode in ("json", "sse"):
-            data = bodies(mode == "sse")
-            for c in (1, 16, 64):
-                if args.profile and (mode, c) != ("json", 16):
-                    continue
-                n = n_req[c]
-                asyncio.run(run_cell(backends[0][0], data, c, min(n, 50), 5))  # warm up
-                direct = asyncio.run(run_cell(backends[0][0], data, c, n, args.seconds))
-                asyncio.run(run_cell(rport, data, c, min(n, 50), 5))
-                cpu0 = cpu_seconds(router.pid)
-                via = asyncio.run(run_cell(rport, data, c, n, args.seconds))
-                cpu = cpu_seconds(router.pid) - cpu0
-                row = {
-                    "mode": mode,
-                    "concurrency": c,
-                    "direct": direct,
-                    "router": via,
-                    "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
-                    "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
-                    "router_cpu_ms_per_request": cpu * 1000 / max(1, via["requests"]),
-                }
-                rows.append(row)
+        data = {mode: bodies(mode == "sse") for mode in ("json", "sse")}
+        samples: dict[tuple[str, int, str], list[dict]] = {}
+        for r in range(args.repeat):
+            order = clients[r % len(clients) :] + clients[: r % len(clients)]
+            for mode in ("json", "sse"):
+                for c in (1, 16, 64):
+                    if args.profile and (mode, c) != ("json", 16):
+                        continue
+                    n = n_req[c]
+                    asyncio.run(run_cell(backends[0][0], data[mode], c, min(n, 50), 5))  # warm
+                    direct = asyncio.run(run_cell(backends[0][0], data[mode], c, n, args.seconds))
+                    for client in order:
+                        rport, router = routers[client]
+                        asyncio.run(run_cell(rport, data[mode], c, min(n, 50), 5))
+                        cpu0 = cpu_seconds(router.pid)
+                        via = asyncio.run(run_cell(rport, data[mode], c, n, args.seconds))
+                        cpu = cpu_seconds(router.pid) - cpu0
+                        row = {
+                            "mode": mode,
+                            "concurrency": c,
+                            "client": client,
+                            "repeat": r,
+                            "direct": direct,
+                            "router": via,
+                            "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
+                            "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
+                            "router_cpu_ms_per_request": cpu * 1000 / max(1, via["requests"]),
+                        }
+                        samples.setdefault((mode, c, client), []).append(row)
+                        print(
+                            f"{mode:4} c={c:<3} {client:7} direct {direct['rps']:6.0f} rps p50 "
+                            f"{direct['p50_ms']:6.2f} ms | router {via['rps']:6.0f} rps p50 "
+                            f"{via['p50_ms']:6.2f} p99 {via['p99_ms']:7.2f} ms | added p50 "
+                            f"{row['added_p50_ms']:6.2f} p99 {row['added_p99_ms']:7.2f} ms | "
+                            f"router CPU {row['router_cpu_ms_per_request']:.3f} ms/req"
+                            + (f" ERRORS {via['errors']}" if via["errors"] else ""),
+                            flush=True,
+                        )
+        rows = [summarize(v) for v in samples.values()]
+        if args.repeat > 1 or len(clients) > 1:
+            print(f"\nmedians over {args.repeat} repeat(s):")
+            print("| mode | c | client | router CPU ms/req | added p50 ms | added p99 ms | rps |")
+            print("|---|---|---|---|---|---|---|")
+            for row in rows:
                 print(
-                    f"{mode:4} c={c:<3} direct {direct['rps']:7.0f} rps p50 "
-                    f"{direct['p50_ms']:6.2f} ms | router {via['rps']:7.0f} rps p50 "
-                    f"{via['p50_ms']:6.2f} p99 {via['p99_ms']:7.2f} ms | added p50 "
-                    f"{row['added_p50_ms']:6.2f} p99 {row['added_p99_ms']:7.2f} ms | "
-                    f"router CPU {row['router_cpu_ms_per_request']:.3f} ms/req"
-                    + (f" ERRORS {via['errors']}" if via["errors"] else ""),
-                    flush=True,
+                    f"| {row['mode']} | {row['concurrency']} | {row['client']} | "
+                    f"{row['router_cpu_ms_per_request']:.3f} | {row['added_p50_ms']:.2f} | "
+                    f"{row['added_p99_ms']:.2f} | {row['router']['rps']:.0f} |"
                 )
         out = {
             "python": sys.version.split()[0],
             "cpus": os.cpu_count(),
             "prompt_tokens": 2001,
+            "clients": clients,
+            "repeat": args.repeat,
             "targets": {"router_cpu_ms_json_c16": 0.5, "added_p50_ms_c1": 1.0},
             "rows": rows,
         }
         if not args.profile:
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            RESULTS.write_text(json.dumps(out, indent=2))
-            print(f"wrote {RESULTS}")
+            path = RESULTS if len(clients) == 1 else RESULTS.with_name("proxy_bench_ab.json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(out, indent=2))
+            print(f"wrote {path}")
     finally:
         for p in reversed(procs):
             p.send_signal(signal.SIGINT)  # uvicorn exits cleanly; cProfile writes its file

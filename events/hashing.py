@@ -15,11 +15,14 @@ Two costs shape this module:
   K digests and wire values that follow. A step is deterministic in its key, so a memo hit is
   exact, never an approximation. See :class:`BlockHasher` for the bound.
 
-Serialized bytes: for the pickle algorithms, only ``pickle.dumps(obj, protocol=5)`` ever
-defines the bytes (hand-built pickle was measured and was not faster). For the CBOR
-algorithms the bytes of the common shape are built here, because the installed ``cbor2`` is
-pure Python (about 7 us per block); ``tests/test_hashing.py`` proves them byte-identical to
-``cbor2.dumps(obj, canonical=True)`` and any value outside the handled range goes to cbor2.
+Serialized bytes are always made by the call vLLM makes, so they cannot drift from it:
+``pickle.dumps(obj, protocol=5)`` for the pickle algorithms (hand-built pickle was measured
+and was not faster) and ``cbor2.dumps(obj, canonical=True)`` for the CBOR ones. cbor2 6.x is
+a C extension only (``cbor2._cbor2``, no pure-Python encoder to fall back to). A hand-built
+canonical encoder for the block shape lived here while cbor2 was pure Python (about 7 us per
+block); against the C cbor2 it was no faster on a cold 32k-token chain (sha256_cbor about
+2.3 us per H=16 block either way, hashing included; ``bench/hashing_bench.py --baseline-rev``
+times both interleaved), so it was removed.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ __all__ = [
     "RequestKeys",
     "RequestKeysError",
     "block_hashes_at",
-    "cbor_canonical",
     "expected_stored_hashes",
     "none_hash_seed",
     "prompt_embeds_digest",
@@ -186,79 +188,13 @@ def prompt_embeds_digest(raw_embedding_bytes: bytes) -> bytes:
 # --------------------------------------------------------------------------- serializers
 
 
-class _CborFallback(Exception):
-    pass
-
-
-def _cbor_head(major: int, n: int) -> bytes:
-    m = major << 5
-    if n < 24:
-        return bytes((m | n,))
-    if n < 0x100:
-        return bytes((m | 24, n))
-    if n < 0x10000:
-        return bytes((m | 25,)) + n.to_bytes(2, "big")
-    if n < 0x100000000:
-        return bytes((m | 26,)) + n.to_bytes(4, "big")
-    if n <= _U64:
-        return bytes((m | 27,)) + n.to_bytes(8, "big")
-    raise _CborFallback  # bignums are tagged; leave them to cbor2
-
-
-class _CborIntCache(dict[int, bytes]):
-    """token id -> its CBOR encoding; bounded to the ids a vocabulary can have."""
-
-    def __missing__(self, n: int) -> bytes:
-        if type(n) is not int:  # bool/float/numpy: let cbor2 decide the bytes
-            raise _CborFallback
-        enc = _cbor_head(0, n) if n >= 0 else _cbor_head(1, -1 - n)
-        if 0 <= n < 1 << 20:
-            self[n] = enc
-        return enc
-
-
-_CBOR_INTS = _CborIntCache()
-_CBOR_NONE = b"\xf6"
-
-
-def cbor_canonical(obj: object) -> bytes:
-    """``cbor2.dumps(obj, canonical=True)``, built directly for the block-hash shape.
-
-    Handles bytes, str, ints within +-2**64, None and tuples/lists of those (everything a
-    block-hash input holds); anything else is passed to cbor2 whole.
-    """
-    try:
-        return _cbor_enc(obj)
-    except _CborFallback:
-        return cbor2.dumps(obj, canonical=True)
-
-
-def _cbor_enc(obj: object) -> bytes:
-    t = type(obj)
-    if t is tuple or t is list:
-        return _cbor_head(4, len(obj)) + b"".join(map(_cbor_enc, obj))  # type: ignore[arg-type]
-    if t is int:
-        return _CBOR_INTS[obj]  # type: ignore[index]
-    if t is bytes:
-        return _cbor_head(2, len(obj)) + obj  # type: ignore[arg-type,operator]
-    if t is str:
-        raw = obj.encode("utf-8")  # type: ignore[union-attr]
-        return _cbor_head(3, len(raw)) + raw
-    if obj is None:
-        return _CBOR_NONE
-    raise _CborFallback
+def _cbor_obj(obj: object) -> bytes:
+    # Exactly vLLM's serialization for the *_cbor algos (vllm/utils/hashing.py).
+    return cbor2.dumps(obj, canonical=True)
 
 
 def _cbor_block(parent: bytes, tokens: Sequence[int], extras: object) -> bytes:
-    # The 3-tuple of §1.3 as a CBOR array; the token array is joined from cached encodings.
-    try:
-        toks = b"".join(map(_CBOR_INTS.__getitem__, tokens))
-        tail = _CBOR_NONE if extras is None else _cbor_enc(extras)
-    except _CborFallback:
-        return cbor2.dumps((parent, tuple(tokens), extras), canonical=True)
-    return b"".join(
-        (b"\x83", _cbor_head(2, len(parent)), parent, _cbor_head(4, len(tokens)), toks, tail)
-    )
+    return cbor2.dumps((parent, tuple(tokens), extras), canonical=True)
 
 
 def _pickle_obj(obj: object) -> bytes:
@@ -283,9 +219,9 @@ _ALGO_PARTS: dict[
     ],
 ] = {
     "sha256": (_pickle_obj, _pickle_block, _sha256),
-    "sha256_cbor": (cbor_canonical, _cbor_block, _sha256),
+    "sha256_cbor": (_cbor_obj, _cbor_block, _sha256),
     "xxhash": (_pickle_obj, _pickle_block, xxhash.xxh3_128_digest),
-    "xxhash_cbor": (cbor_canonical, _cbor_block, xxhash.xxh3_128_digest),
+    "xxhash_cbor": (_cbor_obj, _cbor_block, xxhash.xxh3_128_digest),
 }
 
 
@@ -336,11 +272,13 @@ def _run_pickle_xxh(
 
 def _cbor_runner(digest: Callable[[bytes], bytes]) -> _Runner:
     def run(p: bytes, toks: Sequence[int], H: int, start: int, stop: int, ex: Any) -> list[bytes]:
+        dumps = cbor2.dumps
         out: list[bytes] = []
         append = out.append
         for u in range(start, stop):
             a = u * H
-            p = digest(_cbor_block(p, toks[a : a + H], None if ex is None else ex(u)))
+            extras = None if ex is None else ex(u)
+            p = digest(dumps((p, tuple(toks[a : a + H]), extras), canonical=True))
             append(p)
         return out
 
