@@ -27,7 +27,7 @@ from router.server.upstream import UpstreamConfigError, UpstreamError
 
 try:
     import aiohttp
-except ImportError:  # only the aiohttp variant needs it: pip install -e '.[bench]'
+except ImportError:  # only the aiohttp variant needs it: pip install -e '.[dev]'
     aiohttp = None  # type: ignore[assignment]
 
 __all__ = ["CLIENTS", "AiohttpPool", "HttpxPool", "main"]
@@ -181,7 +181,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     if argv[0] == "aiohttp" and aiohttp is None:
         print(
-            "upstream_clients: aiohttp is not installed (pip install -e '.[bench]')",
+            "upstream_clients: aiohttp is not installed (in the dev extra: pip install -e '.[dev]')",
             file=sys.stderr,
         )
         return 2

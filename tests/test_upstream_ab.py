@@ -16,7 +16,7 @@ from test_upstream import Server, answer, run
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-pytest.importorskip("aiohttp")
+pytest.importorskip("aiohttp", reason="aiohttp comes with the dev extra: pip install -e .[dev]")
 
 from bench.upstream_clients import AiohttpPool, HttpxPool  # noqa: E402
 from router.server.upstream import UpstreamError  # noqa: E402
