@@ -181,7 +181,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     if argv[0] == "aiohttp" and aiohttp is None:
         print(
-            "upstream_clients: aiohttp is not installed (in the dev extra: pip install -e '.[dev]')",
+            "upstream_clients: aiohttp is not installed (pip install -e '.[dev]')",
             file=sys.stderr,
         )
         return 2
