@@ -1,4 +1,4 @@
-"""Operations/s of the simulated hybrid KV cache (gpu_emitter.block_pool), one core.
+"""Operations/s of the simulated hybrid KV cache (gpu_emitter.hybrid_pool), one core.
 
 Layout: the shipped ``fa_swa`` (full attention + sliding window 128, 16-token blocks) by
 default. Every prompt has ``--prompt-tokens`` tokens (default 1024: 64 blocks per group).
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from gpu_emitter.block_pool import HybridBlockPool  # noqa: E402
+from gpu_emitter.hybrid_pool import HybridBlockPool  # noqa: E402
 from gpu_emitter.layouts import load_layout  # noqa: E402
 
 

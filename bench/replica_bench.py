@@ -115,9 +115,9 @@ async def run_row(url: str, stream: bool, concurrency: int, n: int, base: int) -
 async def engine_only(layout_name: str, num_blocks: int, n: int) -> dict[str, Any]:
     """The same requests straight into the engine (no HTTP, no tokenizer, no publisher):
     what the pool and the scheduler cost on their own."""
-    from gpu_emitter.block_pool import HybridBlockPool
     from gpu_emitter.cost_model import CostModel
     from gpu_emitter.engine import Engine
+    from gpu_emitter.hybrid_pool import HybridBlockPool
     from gpu_emitter.layouts import load_layout
 
     engine = Engine(

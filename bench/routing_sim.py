@@ -1,6 +1,6 @@
 """Trace-driven routing simulator: the Mooncake trace through the router's own code, no HTTP.
 
-Per run: N in-process replicas, each a ``gpu_emitter.block_pool.HybridBlockPool`` (vLLM 0.32
+Per run: N in-process replicas, each a ``gpu_emitter.hybrid_pool.HybridBlockPool`` (vLLM 0.32
 caching and events; KV tensor writes skipped: they change no hit and no event) scheduled like
 ``gpu_emitter.engine`` (running requests first, FIFO admission, preemption from the back,
 one event batch per step) on a **simulated clock** whose step times come from
@@ -129,7 +129,7 @@ class _Req:
 
 
 def _sim_pool_class() -> type:
-    from gpu_emitter.block_pool import HybridBlockPool
+    from gpu_emitter.hybrid_pool import HybridBlockPool
 
     class SimPool(HybridBlockPool):
         """The real pool with the KV tensor writes skipped (no effect on hits or events)."""
@@ -248,8 +248,8 @@ class Sim:
     """Routes a scaled trace over :class:`SimReplica` s with one policy (see the module doc)."""
 
     def __init__(self, cfg: SimConfig, scaling: Scaling) -> None:
-        from gpu_emitter.block_pool import ModelShape
         from gpu_emitter.cost_model import CostModel
+        from gpu_emitter.hybrid_pool import ModelShape
         from gpu_emitter.layouts import load_layout
 
         self.cfg = cfg

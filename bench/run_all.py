@@ -77,7 +77,7 @@ def run_bench(name: str, argv: list[str]) -> dict[str, Any]:
 
 def decision_latency(lengths: Sequence[int], replicas: int = 8, repeat: int = 30) -> list[dict]:
     """Predictor latency against prompt length on fa_swa: full hit (memo warm) and novel."""
-    from gpu_emitter.block_pool import HybridBlockPool, ModelShape
+    from gpu_emitter.hybrid_pool import HybridBlockPool, ModelShape
     from gpu_emitter.layouts import load_layout
     from gpu_emitter.workload import block_token_ids
     from router.core.index import KVIndex

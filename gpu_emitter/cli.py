@@ -1,6 +1,6 @@
 """``kvrouter replica``: run a simulated vLLM replica (OpenAI API + vLLM KV events).
 
-A hybrid block pool (``gpu_emitter.block_pool``, torch tensors) behind vLLM's scheduling
+A hybrid block pool (``gpu_emitter.hybrid_pool``, torch tensors) behind vLLM's scheduling
 rules (``gpu_emitter.engine``), a vLLM-compatible event publisher (``events.publisher``) and
 the HTTP server (``gpu_emitter.server``). Torch is imported only when the command runs, so
 ``kvrouter --help`` stays torch-free.
@@ -215,9 +215,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--layout {args.layout!r}: {exc}")
 
     from events.publisher import EndpointError, EventPublisher
-    from gpu_emitter.block_pool import HybridBlockPool  # imports torch: after the checks
     from gpu_emitter.cost_model import CostModel
     from gpu_emitter.engine import Engine
+    from gpu_emitter.hybrid_pool import HybridBlockPool  # imports torch: after the checks
     from gpu_emitter.server import ReplicaInfo, create_app
 
     try:

@@ -1,7 +1,7 @@
 """The simulated replica's engine: one asyncio task that schedules requests like vLLM's.
 
 Each *step* (one loop iteration) does what vLLM's scheduler and model runner do, in vLLM's
-order, against a hybrid block pool (``gpu_emitter.block_pool.HybridBlockPool`` or anything
+order, against a hybrid block pool (``gpu_emitter.hybrid_pool.HybridBlockPool`` or anything
 with the same methods, :class:`BlockPool`):
 
 1. **Running requests first.** Each running request needs a slot for the token sampled in
@@ -67,7 +67,7 @@ _MASK64 = (1 << 64) - 1
 
 
 class BlockPool(Protocol):
-    """What the engine needs from ``gpu_emitter.block_pool.HybridBlockPool``."""
+    """What the engine needs from ``gpu_emitter.hybrid_pool.HybridBlockPool``."""
 
     @property
     def num_blocks(self) -> int: ...

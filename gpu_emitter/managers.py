@@ -1,128 +1,172 @@
-"""Per-KV-cache-type rules of the simulated pool: allocation, skipped blocks, what is cached.
+"""Per-KV-cache-type rules of the simulated pool: hits, allocation, skipped blocks, hashing.
 
 Imitates the split of vLLM 0.32's ``v1/core/single_type_kv_cache_manager.py``: one manager per
 KV-cache group, each knowing only its own kind's rules, all sharing one
 :class:`gpu_emitter.block_pool.BlockPoolCore` (the free queue and the prefix-cache map).
 
+Each manager class has its own ``find_longest_cache_hit`` (spec §4.4), written the way vLLM
+writes it: per block, eagerly, over the pool's own prefix-cache map, returning the hit blocks
+per group (the null block where a group needs nothing) and the hit length. It shares no code
+with the router's hit rule (:mod:`router.core.hybrid`), so a test that compares the router's
+prediction with this pool's hit compares two independent implementations; the layout (sizes,
+kinds), the hash chain and the retention rule (:mod:`events.retention`) are the shared
+contract.
+
 What each kind does (spec §4.4, §4.7):
 
 - **Full attention** (also MLA and sink): holds a physical block for every position, caches
-  every full block (dense).
+  every full block (dense). Hit: the leading run of cached blocks, floored to ``A``.
 - **Chunked local attention**: like full attention, but blocks before the current chunk's
-  start are skipped (freed) as the request advances; caching is dense.
+  start are skipped (freed) as the request advances; caching is dense. Hit: blocks before
+  the chunk of ``max_length`` count without a lookup, then the run of cached blocks.
 - **Sliding window**: blocks whose tokens left the window of the next token to compute are
   freed (``remove_skipped_blocks``: ``skipped = num_computed - window + 1``). As in vLLM,
   admission allocates a block for every prompt position from the hit on (a long prompt
   briefly holds all of them, since one prefill step computes them all); the ones outside the
-  window are freed at the next step, before its allocation, tail first. Under the
-  default ``prefix_cache_retention_interval = 0`` only the ``need = ceil((window-1)/B)``
-  blocks ending at each reachable boundary are hashed (the block mask); ``None`` hashes the
-  last ``need`` blocks before every ``A`` boundary, ``R > 0`` those before every ``R``
-  boundary plus the reachable-boundary tails.
+  window are freed at the next step, before its allocation, tail first. Which full blocks
+  are hashed is :func:`events.retention.is_retained`. Hit: scanning right to left, the first
+  run of ``ceil((window - 1) / B)`` cached blocks whose right edge is aligned.
 - **Mamba (align mode)**: one state block per scheduling step, at the step's last block; the
   block of the step before stays one more step (it is the copy source) and is then freed.
-  Under retention 0 only the state block ending at a reachable boundary is hashed; ``None``
-  hashes every state block, ``R > 0`` those at multiples of ``R`` plus the boundaries.
+  Hit: scanning right to left, the first cached state block ending on an aligned boundary.
 
-A "reachable boundary" is ``floor(b / A) * A`` for ``b`` in ``{num_prompt_tokens - 1,
-shared_prefix_boundary}`` (spec §4.7). Position lists use block id 0, the null block, for
-positions a group does not hold.
+Position lists use block id 0, the null block, for positions a group does not hold.
 
 Not modelled (documented deviations, none visible to hit prediction): partial-tail entries
-of full attention with ``B > H`` (they only matter with partial hits, which the pool
-rejects), EAGLE groups, non-align Mamba modes.
+of full attention with ``B > H`` and fine-grained lookups (they only matter with partial
+hits, which the pool rejects), EAGLE groups and drops, DCP/PCP, non-align Mamba modes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
-from events.layout import SLIDING_KINDS, GroupKind, GroupSpec
-
-if TYPE_CHECKING:
-    from gpu_emitter.block_pool import BlockPoolCore, Request
+from events.layout import GroupKind, GroupSpec
+from events.retention import is_retained
+from gpu_emitter.block_pool import NULL_BLOCK, BlockPoolCore
+from gpu_emitter.request import GroupState, Request
 
 __all__ = [
-    "NULL_BLOCK",
+    "BlockHashes",
     "ChunkedLocalManager",
+    "FineHashes",
     "FullAttentionManager",
-    "GroupState",
+    "HitBlocks",
+    "HitLookup",
     "MambaManager",
-    "Manager",
+    "SingleTypeManager",
     "SlidingWindowManager",
     "manager_for",
-    "reachable_boundaries",
 ]
 
-#: Block id of vLLM's null block: a placeholder position that holds no KV.
-NULL_BLOCK = 0
+HitBlocks = tuple[list[int], ...]
+"""Hit blocks per member group of a spec group, in ``group_ids`` order."""
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class GroupState:
-    """One request's view of one group: its block per position and caching progress."""
+class FineHashes(Protocol):
+    """A request's hash chain at ``hash_block_size`` H (:class:`events.hashing.LazyChain`)."""
 
-    __slots__ = ("allocated", "blocks", "last_state_idx", "num_cached")
+    def __len__(self) -> int: ...
 
-    def __init__(self) -> None:
-        self.blocks: list[int] = []
-        """Block id per block position (``NULL_BLOCK`` where the group holds nothing)."""
-        self.num_cached = 0
-        """Positions already handed to caching (vLLM's ``num_cached_block``)."""
-        self.last_state_idx: int | None = None
-        """Mamba align: the state block of the previous step, freed one step later."""
-        self.allocated = False
-        """Mamba align: a block was allocated for this request in an earlier step."""
+    def wire(self, i: int) -> Any: ...
 
 
-class Manager:
-    """Full attention: every position has a block, every full block is hashed."""
+class BlockHashes:
+    """The request's hashes seen at a group's block size ``B = k * H`` (vLLM's
+    ``BlockHashListWithBlockSize``): block ``j`` is keyed by the fine hash at its last H
+    boundary, ``(j + 1) * k - 1`` (spec §1.4). Lazy, so a lookup hashes the chain only as
+    far as it probes."""
+
+    __slots__ = ("fine", "k")
+
+    def __init__(self, fine: FineHashes, hash_block_size: int, block_size: int) -> None:
+        self.fine = fine
+        self.k = block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self.fine) // self.k
+
+    def __getitem__(self, j: int) -> Any:
+        return self.fine.wire((j + 1) * self.k - 1)
+
+
+class HitLookup(NamedTuple):
+    """One spec group's probe during a lookup: its hashes at its block size and the pool."""
+
+    hashes: BlockHashes
+    group_ids: Sequence[int]
+    pool: BlockPoolCore
+    block_size: int
+
+    def cached(self, j: int) -> list[int] | None:
+        """Block ``j``'s first cached copy in every member group, or None: vLLM's
+        ``get_cached_block``, the only way a hit rule reads the cache."""
+        return self.pool.get_cached_block(self.hashes[j], self.group_ids)
+
+    def extend_run(self, computed: HitBlocks, start: int, stop: int) -> None:
+        """Append blocks ``start, start + 1, ...`` (below ``stop``) to every group's hit
+        blocks while they are cached: the left-to-right scan of full and chunked attention."""
+        for j in range(start, stop):
+            cached = self.cached(j)
+            if cached is None:
+                return
+            for blocks, bid in zip(computed, cached, strict=True):
+                blocks.append(bid)
+
+
+class SingleTypeManager:
+    """What every kind shares: allocation, freeing, hashing; the hit rule is per subclass."""
 
     def __init__(
         self,
-        core: BlockPoolCore,
+        pool: BlockPoolCore,
         group_id: int,
         spec: GroupSpec,
-        hash_block_size: int,
         alignment: int,
         retention: int | None,
     ) -> None:
-        self.core = core
+        self.pool = pool
         self.group_id = group_id
         self.spec = spec
         self.block_size = spec.block_size
-        self.k = spec.block_size // hash_block_size
         self.alignment = alignment
         self.retention = retention
-        self.kind_name = str(spec.kind)
-        self.window = spec.sliding_window if spec.kind in SLIDING_KINDS else None
 
     # ------------------------------------------------------------------ hits
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: FineHashes,
+        max_length: int,
+        group_ids: Sequence[int],
+        pool: BlockPoolCore,
+        spec: GroupSpec,
+        alignment: int,
+    ) -> tuple[HitBlocks, int]:
+        """The longest prefix of at most ``max_length`` tokens that every group in
+        ``group_ids`` can serve, as a multiple of ``alignment``: (hit blocks per group, hit
+        tokens). A classmethod, as in vLLM, because the coordinator calls it once per spec
+        group, not per group (spec §4.2, §4.4)."""
+        b = spec.block_size
+        q = HitLookup(BlockHashes(block_hashes, pool.hash_block_size, b), group_ids, pool, b)
+        return cls._longest_hit(q, max_length, spec, alignment)
+
+    @classmethod
+    def _longest_hit(
+        cls, q: HitLookup, max_length: int, spec: GroupSpec, alignment: int
+    ) -> tuple[HitBlocks, int]:
+        """The kind's own rule behind :meth:`find_longest_cache_hit`."""
+        raise NotImplementedError(f"{cls.__name__} has no hit rule")
 
     def skipped_tokens(self, num_computed: int) -> int:
         """Tokens the next computed token no longer attends to (their blocks can go)."""
         return 0
-
-    def hit_blocks(self, wires: Callable[[int], object], hit: int) -> list[int]:
-        """Block per position ``0 .. hit/B - 1`` for a hit of ``hit`` tokens: the first cached
-        copy where the group needs the block, the null block where it does not."""
-        n = hit // self.block_size
-        first = max(0, self.skipped_tokens(hit)) // self.block_size
-        out = [NULL_BLOCK] * min(first, n)
-        k = self.k
-        for j in range(first, n):
-            bid = self.core.first_copy(self.group_id, wires((j + 1) * k - 1))
-            if bid is None:
-                raise RuntimeError(
-                    f"group {self.group_id}: hit block {j} vanished between lookup and "
-                    "admission; this is a pool bug"
-                )
-            out.append(bid)
-        return out
 
     # ------------------------------------------------------------ allocation
 
@@ -140,7 +184,7 @@ class Manager:
         if n <= 0:
             return []
         start = len(st.blocks)
-        ids = self.core.get_new_blocks(n)
+        ids = self.pool.get_new_blocks(n)
         st.blocks.extend(ids)
         return list(zip(range(start, start + n), ids, strict=True))
 
@@ -164,18 +208,24 @@ class Manager:
         freed = self.skipped_to_free(st, num_computed)
         for j, _ in freed:
             st.blocks[j] = NULL_BLOCK
-        self.core.free_blocks([b for _, b in freed])
+        self.pool.free_blocks([b for _, b in freed])
 
     def free(self, st: GroupState) -> None:
         """Free all of the request's blocks, tail first (so the tail is evicted first)."""
-        self.core.free_blocks(reversed(st.blocks))
+        self.pool.free_blocks(reversed(st.blocks))
         st.blocks = []
 
     # --------------------------------------------------------------- caching
 
     def keeps(self, req: Request, j: int) -> bool:
-        """Whether block ``j`` (full, non-null) gets hashed: vLLM's block mask."""
-        return True
+        """Whether full block ``j`` (non-null) gets hashed: vLLM's block mask (spec §4.7)."""
+        return is_retained(
+            self.spec,
+            j,
+            alignment=self.alignment,
+            retention=self.retention,
+            reachable=req.reachable,
+        )
 
     def cache_blocks(self, req: Request, st: GroupState, num_tokens: int) -> None:
         """Hash the newly full blocks up to ``num_tokens`` (one ``BlockStored`` per call)."""
@@ -186,61 +236,114 @@ class Manager:
         inserted = [
             j for j in range(lo, num_full) if st.blocks[j] != NULL_BLOCK and self.keeps(req, j)
         ]
-        self.core.cache_full_blocks(req, self, st.blocks, lo, num_full, inserted)
+        self.pool.cache_full_blocks(
+            req, st.blocks, lo, num_full, inserted, self.group_id, self.spec
+        )
         st.num_cached = num_full
 
 
-FullAttentionManager = Manager
+class FullAttentionManager(SingleTypeManager):
+    """Full attention (also MLA and sink): every position has a block, every block is hashed."""
+
+    @classmethod
+    def _longest_hit(
+        cls, q: HitLookup, max_length: int, spec: GroupSpec, alignment: int
+    ) -> tuple[HitBlocks, int]:
+        # Chained hashes: once a block misses, every later one misses too, so the hit is the
+        # leading run of cached blocks (spec §4.4).
+        b = q.block_size
+        computed: HitBlocks = tuple([] for _ in q.group_ids)
+        q.extend_run(computed, 0, min(max_length // b, len(q.hashes)))
+        hit = len(computed[0]) * b
+        hit -= hit % alignment
+        for blocks in computed:
+            del blocks[_cdiv(hit, b) :]
+        return computed, hit
 
 
-class ChunkedLocalManager(Manager):
+class ChunkedLocalManager(SingleTypeManager):
     """Chunked local attention: dense caching, blocks before the current chunk are freed."""
+
+    @classmethod
+    def _longest_hit(
+        cls, q: HitLookup, max_length: int, spec: GroupSpec, alignment: int
+    ) -> tuple[HitBlocks, int]:
+        # Tokens before the chunk that holds position `max_length` are outside every later
+        # query's reach: they count as computed with null blocks, no lookup (spec §4.4).
+        # `resolve` guarantees B == A here, so the result needs no flooring.
+        b = q.block_size
+        chunk = spec.attention_chunk_size or b
+        first = (max_length // chunk * chunk if max_length > 0 else 0) // b
+        computed: HitBlocks = tuple([NULL_BLOCK] * first for _ in q.group_ids)
+        q.extend_run(computed, first, min(max_length // b, len(q.hashes)))
+        return computed, len(computed[0]) * b
 
     def skipped_tokens(self, num_computed: int) -> int:
         chunk = self.spec.attention_chunk_size or self.block_size
         return num_computed // chunk * chunk
 
 
-def reachable_boundaries(
-    num_prompt_tokens: int, shared_prefix_boundary: int | None, alignment: int
-) -> frozenset[int]:
-    """A request's reachable boundaries (spec §4.7): where its SWA/Mamba checkpoints go."""
-    out = {(num_prompt_tokens - 1) // alignment * alignment}
-    if shared_prefix_boundary is not None:
-        out.add(shared_prefix_boundary // alignment * alignment)
-    out.discard(0)
-    return frozenset(out)
-
-
-class SlidingWindowManager(Manager):
+class SlidingWindowManager(SingleTypeManager):
     """Sliding window: out-of-window blocks freed, checkpoint tails hashed (spec §4.7)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        window = self.spec.sliding_window or 1
-        self.need = max(1, _cdiv(window - 1, self.block_size))
+    @classmethod
+    def _longest_hit(
+        cls, q: HitLookup, max_length: int, spec: GroupSpec, alignment: int
+    ) -> tuple[HitBlocks, int]:
+        # A hit of L tokens needs the `need` blocks before L (the window of token L); blocks
+        # further left are null. Scan right to left for the first such run; with B != A a run
+        # may only start (on its right) at a block whose right edge is aligned (spec §4.4).
+        b = q.block_size
+        need = _cdiv((spec.sliding_window or 1) - 1, b)
+        n_max = min(max_length // b, len(q.hashes))
+        computed: HitBlocks = tuple([NULL_BLOCK] * n_max for _ in q.group_ids)
+        run = 0
+        found = False
+        for j in range(n_max - 1, -1, -1):
+            cached = q.cached(j)
+            if cached is None:
+                run = 0
+                continue
+            if run == 0 and b != alignment and (j + 1) * b % alignment:
+                continue
+            for blocks, bid in zip(computed, cached, strict=True):
+                blocks[j] = bid
+            run += 1
+            if run >= need:
+                for blocks in computed:
+                    del blocks[j + run :]
+                found = True
+                break
+        if not found:
+            # No full run: only a run that reaches block 0 serves (a prefix shorter than
+            # the window needs every block), shrunk by whole blocks until aligned.
+            for blocks in computed:
+                del blocks[run:]
+            while len(computed[0]) * b % alignment:
+                for blocks in computed:
+                    blocks.pop()
+        return computed, len(computed[0]) * b
 
     def skipped_tokens(self, num_computed: int) -> int:
         return num_computed - (self.spec.sliding_window or 1) + 1
 
-    def _before(self, j: int, period_blocks: int) -> bool:
-        # Block j is among the `need` blocks before some multiple of `period_blocks` blocks.
-        return (period_blocks - 1 - j % period_blocks) < self.need
 
-    def keeps(self, req: Request, j: int) -> bool:
-        b = self.block_size
-        if self.alignment % b:
-            return True
-        if self.retention is None:
-            return self._before(j, self.alignment // b)
-        if self.retention > 0 and self._before(j, self.retention // b):
-            return True
-        end = (j + 1) * b
-        return any(c - self.need * b < end <= c for c in req.reachable)
-
-
-class MambaManager(Manager):
+class MambaManager(SingleTypeManager):
     """Mamba in align mode: one state block per step, at a block-aligned step end."""
+
+    @classmethod
+    def _longest_hit(
+        cls, q: HitLookup, max_length: int, spec: GroupSpec, alignment: int
+    ) -> tuple[HitBlocks, int]:
+        # A state block holds everything before its end, so one cached state ending on an
+        # aligned boundary is a hit; the highest one wins (spec §4.4).
+        b = q.block_size
+        for j in range(min(max_length // b, len(q.hashes)) - 1, -1, -1):
+            cached = q.cached(j)
+            if cached is None or (j + 1) * b % alignment:
+                continue
+            return tuple([NULL_BLOCK] * j + [bid] for bid in cached), (j + 1) * b
+        return tuple([] for _ in q.group_ids), 0
 
     def skipped_tokens(self, num_computed: int) -> int:
         return num_computed - 1
@@ -262,7 +365,7 @@ class MambaManager(Manager):
         if st.allocated or prev > 0:
             st.last_state_idx = prev - 1
         blocks.extend([NULL_BLOCK] * (required - 1 - prev))
-        (bid,) = self.core.get_new_blocks(1)
+        (bid,) = self.pool.get_new_blocks(1)
         blocks.append(bid)
         st.allocated = True
         return [(required - 1, bid)]
@@ -279,19 +382,11 @@ class MambaManager(Manager):
             out.append((last, st.blocks[last]))
         return out
 
-    def keeps(self, req: Request, j: int) -> bool:
-        end = (j + 1) * self.block_size
-        if self.retention is None:
-            return True
-        if self.retention > 0 and end % self.retention == 0:
-            return True
-        return end in req.reachable
 
-
-_BY_KIND: dict[GroupKind, type[Manager]] = {
-    GroupKind.FULL_ATTENTION: Manager,
-    GroupKind.MLA_ATTENTION: Manager,
-    GroupKind.SINK_FULL_ATTENTION: Manager,
+_BY_KIND: dict[GroupKind, type[SingleTypeManager]] = {
+    GroupKind.FULL_ATTENTION: FullAttentionManager,
+    GroupKind.MLA_ATTENTION: FullAttentionManager,
+    GroupKind.SINK_FULL_ATTENTION: FullAttentionManager,
     GroupKind.CHUNKED_LOCAL_ATTENTION: ChunkedLocalManager,
     GroupKind.SLIDING_WINDOW: SlidingWindowManager,
     GroupKind.SLIDING_WINDOW_MLA: SlidingWindowManager,
@@ -299,6 +394,6 @@ _BY_KIND: dict[GroupKind, type[Manager]] = {
 }
 
 
-def manager_for(spec: GroupSpec) -> type[Manager] | None:
+def manager_for(spec: GroupSpec) -> type[SingleTypeManager] | None:
     """The manager class of a group kind, or None when the pool cannot model it."""
     return _BY_KIND.get(spec.kind)

@@ -2,7 +2,7 @@
 
 Each :class:`SimReplica` is the simulated vLLM of ``kvrouter replica`` built in-process (as
 ``tests/test_replica_server.py``'s ``Replica`` does, but over a hybrid pool): a
-:class:`gpu_emitter.block_pool.HybridBlockPool` (full attention + sliding window 48, 16-token
+:class:`gpu_emitter.hybrid_pool.HybridBlockPool` (full attention + sliding window 48, 16-token
 blocks, vLLM's default retention 0) behind :class:`gpu_emitter.engine.Engine`, publishing its
 KV events on a real ZeroMQ :class:`events.publisher.EventPublisher` bound on 127.0.0.1, and
 served over HTTP by uvicorn on a thread. Its HTTP server can be stopped (the port then refuses
@@ -23,10 +23,10 @@ import httpx
 
 from events.layout import GroupKind, GroupSpec, ModelLayout
 from events.publisher import EventPublisher
-from gpu_emitter.block_pool import HybridBlockPool
 from gpu_emitter.cli import event_source
 from gpu_emitter.cost_model import CostModel
 from gpu_emitter.engine import Engine
+from gpu_emitter.hybrid_pool import HybridBlockPool
 from gpu_emitter.server import ReplicaInfo, create_app
 from router.config import RouterConfig, parse_config
 from router.server.app import create_app as create_router_app

@@ -1,4 +1,4 @@
-"""gpu_emitter.block_pool: vLLM 0.32 caching, eviction and events, driven through the API.
+"""gpu_emitter.hybrid_pool: vLLM 0.32 caching, eviction and events, driven through the API.
 
 The spec's own examples (§2.4, §4.8) are reproduced by driving the pool, then the rules
 behind them one by one: LRU order, per-group eviction, copies, reset, sliding-window frees
@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 from events.hashing import BlockHasher, RequestKeys  # noqa: E402
 from events.layout import GroupKind, GroupSpec, HashSettings, ModelLayout  # noqa: E402
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
-from gpu_emitter.block_pool import (  # noqa: E402
+from gpu_emitter.block_pool import NULL_BLOCK  # noqa: E402
+from gpu_emitter.hybrid_pool import (  # noqa: E402
     DuplicateRequest,
     HybridBlockPool,
     ModelShape,
@@ -31,7 +32,6 @@ from gpu_emitter.layouts import (  # noqa: E402
     parse_layout,
     shipped_layouts,
 )
-from gpu_emitter.managers import NULL_BLOCK  # noqa: E402
 
 FA16 = GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16)
 SWA64 = GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=64)

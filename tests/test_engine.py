@@ -154,7 +154,7 @@ class StandInPool:
 def make_pool(num_blocks: int = 512) -> Any:
     """A full-attention pool with 16-token blocks: the real HybridBlockPool when present."""
     try:
-        from gpu_emitter.block_pool import HybridBlockPool
+        from gpu_emitter.hybrid_pool import HybridBlockPool
     except ImportError:
         return StandInPool(num_blocks)
     from events.layout import GroupKind, GroupSpec, ModelLayout
@@ -412,11 +412,11 @@ def test_stop_fails_unfinished_requests() -> None:
 def test_reported_hit_is_the_pools_hybrid_hit(layout_name: str) -> None:
     """cached_tokens is what the pool's own find_hit says just before admission, on hybrid
     layouts where the sliding-window or Mamba group limits the hit."""
-    block_pool = pytest.importorskip("gpu_emitter.block_pool")
+    hybrid_pool = pytest.importorskip("gpu_emitter.hybrid_pool")
     from gpu_emitter.layouts import load_layout
 
     async def main() -> list[tuple[int, int | None]]:
-        pool = block_pool.HybridBlockPool(load_layout(layout_name), 4096)
+        pool = hybrid_pool.HybridBlockPool(load_layout(layout_name), 4096)
         engine, _, _ = await _engine(pool=pool)
         shared = prompt(700)
         pairs = []

@@ -32,8 +32,8 @@ from events.schema import (
     encode_batch,
 )
 from events.stream import StreamSpec
-from gpu_emitter.block_pool import HybridBlockPool
 from gpu_emitter.hook import HashFormError, PublisherHook
+from gpu_emitter.hybrid_pool import HybridBlockPool
 from router.core.index import KVIndex
 from router.core.predict import Predictor
 

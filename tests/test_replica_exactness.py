@@ -16,7 +16,7 @@ from zmq_helpers import wait_for
 from events.stream import StreamSpec
 from events.subscriber import Subscriber
 from gpu_emitter import tokenizer as tok
-from gpu_emitter.block_pool import HybridBlockPool
+from gpu_emitter.hybrid_pool import HybridBlockPool
 from gpu_emitter.layouts import load_layout
 from router.core.index import KVIndex
 from router.core.predict import Predictor

@@ -416,7 +416,7 @@ def test_events_reach_a_real_subscriber_before_the_response_completes() -> None:
 
 
 def test_cli_serves_and_stops_on_sigint() -> None:
-    pytest.importorskip("gpu_emitter.block_pool")
+    pytest.importorskip("gpu_emitter.hybrid_pool")
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "router.cli", "replica", "--port", "0", "--layout", "fa",

@@ -8,7 +8,8 @@ With speculation, the blocks a routed request will cache on its replica count as
 for ``ttl_s`` seconds or until that replica's events about them arrive, so the burst lands
 together and the prefix is computed once.
 
-What counts as "will cache" follows spec §4.7 (default retention) and errs low:
+What counts as "will cache" follows spec §4.7 (default retention; the rule itself is
+:mod:`events.retention`, which the simulated replica runs too) and errs low:
 
 * full-attention-type and chunked-local groups: every full block up to the cached length
   (``num_tokens`` rounded down to S unless partial hits are on);
@@ -41,7 +42,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from events.hashing import BlockHasher, RequestKeys
-from events.layout import GroupKind, ResolvedLayout
+from events.layout import SLIDING_KINDS, GroupKind, ResolvedLayout
+from events.retention import reachable_boundaries, retained_blocks
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from events.stream import StreamBatch, StreamItem
 from router.core.hybrid import HitResult
@@ -49,16 +51,6 @@ from router.core.index import KVIndex, ReplicaKey
 from router.core.predict import Prediction, Predictor
 
 __all__ = ["SpeculativeOverlay", "speculative_blocks"]
-
-_DENSE = frozenset(
-    {
-        GroupKind.FULL_ATTENTION,
-        GroupKind.MLA_ATTENTION,
-        GroupKind.SINK_FULL_ATTENTION,
-        GroupKind.CHUNKED_LOCAL_ATTENTION,
-    }
-)
-_SLIDING = frozenset({GroupKind.SLIDING_WINDOW, GroupKind.SLIDING_WINDOW_MLA})
 
 
 def speculative_blocks(
@@ -68,19 +60,16 @@ def speculative_blocks(
 
     Returns ``(group_ids, k, block indices)`` per spec group, ``k = B / H`` (block ``j`` of
     the group is the fine chain's hash ``(j + 1) * k - 1``). ``hit`` is the request's hit on
-    the chosen replica (for the junction); None means no junction.
+    the chosen replica (for the junction); None means no junction. Which blocks is vLLM's
+    retention rule (:mod:`events.retention`, the one the simulated replica runs too); this
+    function only decides which groups to trust it for.
     """
     H = layout.hash_block_size
     A = layout.alignment
-    cached = (
-        num_tokens
-        if layout.partial_hits
-        else num_tokens // layout.scheduler_block_size * (layout.scheduler_block_size)
-    )
-    boundaries = {(num_tokens - 1) // A * A} if num_tokens > 0 else set()
-    if hit is not None and hit.num_uncached > 0:
-        boundaries.add((hit.hit_tokens + hit.num_uncached) // A * A)
-    boundaries = {b for b in boundaries if 0 < b <= cached}
+    S = layout.scheduler_block_size
+    cached = num_tokens if layout.partial_hits else num_tokens // S * S
+    junction = hit.hit_tokens + hit.num_uncached if hit is not None and hit.num_uncached else None
+    reachable = {b for b in reachable_boundaries(num_tokens, junction, A) if b <= cached}
     checkpoints = layout.layout.retention_interval == 0 and not layout.partial_hits
     out = []
     for sg in layout.spec_groups:
@@ -88,26 +77,18 @@ def speculative_blocks(
         B = spec.block_size
         if spec.eagle or B % H:
             continue
-        k = B // H
-        n_full = cached // B
-        if spec.kind in _DENSE:
-            blocks = list(range(n_full))
-        elif spec.kind in _SLIDING and checkpoints and spec.sliding_window:
-            if A % B:
-                blocks = list(range(n_full))
-            else:
-                need = -(-(spec.sliding_window - 1) // B)
-                picked: set[int] = set()
-                for b in boundaries:
-                    end = b // B
-                    picked.update(range(max(0, end - need), end))
-                blocks = sorted(j for j in picked if j < n_full)
-        elif spec.kind is GroupKind.MAMBA and checkpoints and spec.mamba_mode == "align":
-            blocks = sorted(b // B - 1 for b in boundaries if b % B == 0 and b // B <= n_full)
-        else:
+        if spec.kind in SLIDING_KINDS or spec.kind is GroupKind.MAMBA:
+            # Only the default retention's checkpoints are predictable from the prompt alone
+            # (and Mamba only in align mode); elsewhere err low.
+            if not checkpoints or (spec.kind is GroupKind.MAMBA and spec.mamba_mode != "align"):
+                continue
+        elif not (spec.is_fa_type or spec.kind is GroupKind.CHUNKED_LOCAL_ATTENTION):
             continue
+        blocks = retained_blocks(
+            spec, 0, cached // B, alignment=A, retention=0, reachable=reachable
+        )
         if blocks:
-            out.append((sg.group_ids, k, blocks))
+            out.append((sg.group_ids, B // H, blocks))
     return out
 
 
