@@ -157,3 +157,19 @@ def test_events_and_router_import_without_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
+
+
+def test_engine_modules_follow_vllms_v1_core_split() -> None:
+    """Request at the bottom, then the block pool, the per-type managers, the coordinator and
+    the KV-cache manager (``HybridBlockPool``), each importing only downwards."""
+    graph = import_graph()
+
+    def ours(mod: str) -> set[str]:
+        return {d for d in graph[mod] if d.startswith("gpu_emitter.")}
+
+    assert ours("gpu_emitter.request") == set()
+    assert ours("gpu_emitter.block_pool") == {"gpu_emitter.request"}
+    assert ours("gpu_emitter.managers") == {"gpu_emitter.block_pool", "gpu_emitter.request"}
+    assert "gpu_emitter.managers" in ours("gpu_emitter.coordinator")
+    assert "gpu_emitter.hybrid_pool" not in ours("gpu_emitter.coordinator")
+    assert "gpu_emitter.coordinator" in ours("gpu_emitter.hybrid_pool")
