@@ -150,6 +150,7 @@ with EventPublisher("tcp://127.0.0.1:*", hwm=0) as pub:
         pub.publish_raw(payloads[0])
     sys.stdin.readline()
     print(pub.next_seq, flush=True)
+    sys.stdin.readline()  # the subscriber knows where the timed window starts
     for _ in range({rounds}):
         for p in payloads:
             pub.publish_raw(p)
@@ -270,6 +271,8 @@ def bench_e2e(workload: str, per_batch: int, n_batches: int, rounds: int, mode: 
             first = int(proc.stdout.readline())
             n_total = n_batches * rounds
             window[:] = [first, first + n_total - 1]
+            proc.stdin.write("start\n")  # only now: batch `first` must not beat the window
+            proc.stdin.flush()
             if not done.wait(300):
                 raise SystemExit("e2e: not everything arrived")
             st = stats()["e2e"]
