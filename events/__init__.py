@@ -4,14 +4,8 @@ Usable on its own, without the router: ``from events import decode_batch, Subscr
 See :mod:`events.subscriber` for a minimal example.
 """
 
-from events.publisher import (
-    EndpointError,
-    EventPublisher,
-    PublisherClosedError,
-    offset_endpoint_port,
-    publisher_binds,
-    validate_endpoint,
-)
+from events.endpoints import EndpointError, offset_endpoint_port, validate_endpoint
+from events.publisher import EventPublisher, PublisherClosedError, publisher_binds
 from events.schema import (
     AllBlocksCleared,
     BatchDecodeError,

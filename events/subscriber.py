@@ -51,7 +51,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from events.publisher import _open, offset_endpoint_port, validate_endpoint
+from events.endpoints import bind_or_connect, offset_endpoint_port, validate_endpoint
 from events.stream import (
     StreamItem,
     StreamProcessor,
@@ -80,7 +80,7 @@ def dp_stream_specs(
     bind: bool = False,
 ) -> list[StreamSpec]:
     """One :class:`StreamSpec` per data-parallel rank of a replica, with the endpoints
-    offset the way vLLM offsets them (:func:`~events.publisher.offset_endpoint_port`) and
+    offset the way vLLM offsets them (:func:`~events.endpoints.offset_endpoint_port`) and
     the rank checked. ``endpoint``/``replay_endpoint`` are rank 0's addresses; streams are
     named ``"<name>/dp<rank>"``."""
     return [
@@ -201,7 +201,7 @@ class Subscriber:
                 self._subs.append(sock)
                 sock.setsockopt(zmq.RCVHWM, rcvhwm)
                 sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-                self.endpoints[spec.name] = _open(sock, spec.endpoint, spec.bind)
+                self.endpoints[spec.name] = bind_or_connect(sock, spec.endpoint, bind=spec.bind)
         except Exception:
             self._close_sockets()
             raise
@@ -336,7 +336,7 @@ class Subscriber:
             try:
                 if replay_ep is None:  # unreachable: the sequencer never asks without one
                     raise zmq.ZMQError(msg="no replay endpoint")
-                _open(dealer, replay_ep, False)
+                bind_or_connect(dealer, replay_ep, bind=False)
                 dealer.send_multipart((b"", _SEQ.pack(start)))
             except (zmq.ZMQError, ValueError) as exc:
                 dealer.close(linger=0)
@@ -423,7 +423,7 @@ class AsyncSubscriber:
                 self._subs.append(sock)
                 sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
                 sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-                self.endpoints[spec.name] = _open(sock, spec.endpoint, spec.bind)
+                self.endpoints[spec.name] = bind_or_connect(sock, spec.endpoint, bind=spec.bind)
         except Exception:
             self._close_sockets()
             raise
@@ -536,7 +536,7 @@ class AsyncSubscriber:
             try:
                 if replay_ep is None:
                     raise zmq.ZMQError(msg="no replay endpoint")
-                _open(dealer, replay_ep, False)
+                bind_or_connect(dealer, replay_ep, bind=False)
                 await dealer.send_multipart((b"", _SEQ.pack(start)))
             except (zmq.ZMQError, ValueError) as exc:
                 dealer.close(linger=0)
