@@ -31,7 +31,7 @@ from events.stream import (
     StreamSpec,
     StreamStats,
 )
-from events.subscriber import AsyncSubscriber, Subscriber, dp_stream_specs
+from events.subscriber import AsyncSubscriber, Subscriber, SubscriberError, dp_stream_specs
 
 __all__ = [
     "AllBlocksCleared",
@@ -57,6 +57,7 @@ __all__ = [
     "StreamSpec",
     "StreamStats",
     "Subscriber",
+    "SubscriberError",
     "UnknownEvent",
     "decode_batch",
     "dp_stream_specs",
