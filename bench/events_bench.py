@@ -14,15 +14,22 @@ Stages, each on one core from the msgpack payload bytes:
 * ``process``: :class:`events.stream.StreamProcessor` — frame checks, the sequence state
   machine, decode, rank check, counters — handing every item to a no-op consumer;
 * ``zmq e2e`` (optional, ``--e2e``): an :class:`events.publisher.EventPublisher` in another
-  process (as vLLM is) to a :class:`events.subscriber.Subscriber` over loopback TCP; the
-  subscriber's socket thread and the no-op callback share this process's core.
+  process (as vLLM is) to a subscriber over loopback TCP; the subscriber's socket thread and
+  the no-op consumer share this process's core. Measured for each way of consuming
+  (``--e2e-modes``): ``sync`` (:class:`events.subscriber.Subscriber` with a callback),
+  ``sync_iter`` (``for item in sub`` on the caller's thread), ``async``
+  (:class:`events.subscriber.AsyncSubscriber` with a callback) and ``async_iter``
+  (``async for``). The column ``zmq e2e`` is ``sync``.
 
-Usage: ``.venv/bin/python bench/events_bench.py [--seconds S] [--e2e] [--out PATH]``
+Usage: ``.venv/bin/python bench/events_bench.py [--seconds S] [--e2e] [--e2e-modes M,..]
+[--e2e-repeat N] [--out PATH]``
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import platform
 import random
@@ -31,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +50,11 @@ sys.path.insert(0, str(ROOT))
 
 from events.schema import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch  # noqa: E402
 from events.stream import StreamBatch, StreamProcessor, StreamSpec  # noqa: E402
-from events.subscriber import Subscriber  # noqa: E402
+from events.subscriber import AsyncSubscriber, Subscriber  # noqa: E402
 
 SEQ = struct.Struct(">Q")
 TARGETS = {"stored64": ("blocks/s", 1_500_000), "removed1": ("events/s", 300_000)}
+E2E_MODES = ("sync", "sync_iter", "async", "async_iter")
 
 
 def make_payloads(workload: str, batch_events: int, n_batches: int, seed: int = 0) -> list[bytes]:
@@ -142,6 +150,7 @@ with EventPublisher("tcp://127.0.0.1:*", hwm=0) as pub:
         pub.publish_raw(payloads[0])
     sys.stdin.readline()
     print(pub.next_seq, flush=True)
+    sys.stdin.readline()  # the subscriber knows where the timed window starts
     for _ in range({rounds}):
         for p in payloads:
             pub.publish_raw(p)
@@ -150,9 +159,78 @@ with EventPublisher("tcp://127.0.0.1:*", hwm=0) as pub:
 """
 
 
-def bench_e2e(workload: str, per_batch: int, n_batches: int, rounds: int) -> float:
-    """Loopback TCP from an EventPublisher in another process (as vLLM is) to a Subscriber
-    here: batches/s from the first timed batch to the last, times events per batch."""
+StatsFn = Callable[[], dict[str, Any]]
+
+
+@contextlib.contextmanager
+def _sync_subscriber(
+    spec: StreamSpec, on_item: Callable[[Any], None], iterate: bool
+) -> Iterator[StatsFn]:
+    """A :class:`Subscriber` feeding ``on_item``: as its callback, or from ``for item in sub``
+    on a reader thread standing for the caller's."""
+    if not iterate:
+        with Subscriber([spec], on_item, rcvhwm=0) as sub:
+            yield sub.stats
+        return
+    sub = Subscriber([spec], rcvhwm=0)
+
+    def read() -> None:
+        for item in sub:
+            on_item(item)
+
+    reader = threading.Thread(target=read, name="bench-reader", daemon=True)
+    reader.start()
+    try:
+        yield sub.stats
+    finally:
+        sub.close()
+        reader.join(10)
+
+
+@contextlib.contextmanager
+def _async_subscriber(
+    spec: StreamSpec, on_item: Callable[[Any], None], iterate: bool
+) -> Iterator[StatsFn]:
+    """An :class:`AsyncSubscriber` on its own ``asyncio.run`` loop (a thread here), feeding
+    ``on_item`` as its callback or from ``async for``."""
+    ready = threading.Event()
+    ctl: dict[str, Any] = {}
+
+    async def consume(sub: AsyncSubscriber) -> None:
+        async for item in sub:
+            on_item(item)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        ctl["stop"] = lambda: loop.call_soon_threadsafe(stop.set)
+        try:
+            async with AsyncSubscriber([spec], None if iterate else on_item, rcvhwm=0) as sub:
+                ctl["stats"] = sub.stats
+                reader = asyncio.create_task(consume(sub)) if iterate else None
+                ready.set()
+                await stop.wait()
+            if reader is not None:
+                await reader
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), name="bench-loop", daemon=True)
+    thread.start()
+    ready.wait(30)
+    if "stats" not in ctl:
+        raise SystemExit("e2e: the AsyncSubscriber did not start")
+    try:
+        yield ctl["stats"]
+    finally:
+        ctl["stop"]()
+        thread.join(10)
+
+
+def bench_e2e(workload: str, per_batch: int, n_batches: int, rounds: int, mode: str) -> float:
+    """Loopback TCP from an EventPublisher in another process (as vLLM is) to a subscriber
+    here, consumed as ``mode`` says (:data:`E2E_MODES`): batches/s from the first timed batch
+    to the last, times events per batch."""
     code = _E2E_PUBLISHER.format(
         root=str(ROOT),
         bench=str(ROOT / "bench"),
@@ -183,7 +261,9 @@ def bench_e2e(workload: str, per_batch: int, n_batches: int, rounds: int) -> flo
                 marks["t1"] = time.perf_counter()
                 done.set()
 
-        with Subscriber([StreamSpec("e2e", endpoint)], on_item, rcvhwm=0) as sub:
+        spec = StreamSpec("e2e", endpoint)
+        running = _async_subscriber if mode.startswith("async") else _sync_subscriber
+        with running(spec, on_item, mode.endswith("_iter")) as stats:
             if not seen.wait(30):
                 raise SystemExit("e2e: the subscriber never received the publisher")
             proc.stdin.write("go\n")
@@ -191,9 +271,11 @@ def bench_e2e(workload: str, per_batch: int, n_batches: int, rounds: int) -> flo
             first = int(proc.stdout.readline())
             n_total = n_batches * rounds
             window[:] = [first, first + n_total - 1]
+            proc.stdin.write("start\n")  # only now: batch `first` must not beat the window
+            proc.stdin.flush()
             if not done.wait(300):
                 raise SystemExit("e2e: not everything arrived")
-            st = sub.stats()["e2e"]
+            st = stats()["e2e"]
             if st.gaps or st.malformed:
                 raise SystemExit(f"e2e lost messages: {st}")
         proc.stdin.write("bye\n")
@@ -209,8 +291,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     ap.add_argument("--e2e", action="store_true", help="also measure over loopback ZMQ")
+    ap.add_argument(
+        "--e2e-repeat",
+        type=int,
+        default=1,
+        help="runs per e2e measurement, the best kept (loopback timings are noisy)",
+    )
+    ap.add_argument(
+        "--e2e-modes",
+        default=",".join(E2E_MODES),
+        help=f"comma-separated ways of consuming for --e2e, of {', '.join(E2E_MODES)}",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "events_bench.json")
     args = ap.parse_args(argv)
+    modes = [m for m in args.e2e_modes.split(",") if m]
+    bad = sorted(set(modes) - set(E2E_MODES))
+    if bad:
+        ap.error(f"unknown --e2e-modes {bad}; choose from {', '.join(E2E_MODES)}")
+    if args.e2e_repeat < 1:
+        ap.error("--e2e-repeat must be at least 1")
 
     cases = [
         ("stored64", 4, 64, 500),
@@ -226,7 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         mult = blocks_per_event if unit == "blocks/s" else 1
         dec = bench_decode(payloads, per_batch, args.seconds)
         proc = bench_process(payloads, per_batch, args.seconds)
-        e2e = bench_e2e(workload, per_batch, n_batches, rounds=4) if args.e2e else None
+        by_mode = {
+            m: max(
+                bench_e2e(workload, per_batch, n_batches, rounds=4, mode=m)
+                for _ in range(args.e2e_repeat)
+            )
+            for m in (modes if args.e2e else [])
+        }
+        e2e = by_mode.get("sync")
         row = {
             "workload": workload,
             "events_per_batch": per_batch,
@@ -238,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_blocks_per_s": dec * blocks_per_event,
             "process_blocks_per_s": proc * blocks_per_event,
             "e2e_blocks_per_s": None if e2e is None else e2e * blocks_per_event,
+            **{f"e2e_{m}_events_per_s": by_mode.get(m) for m in E2E_MODES if m != "sync"},
             "target_unit": unit,
             "target": target,
             "process_meets_target": proc * mult >= target,
@@ -250,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'workload':10} {'ev/batch':>8} {'bytes/batch':>11} {'unit':>9}"
         f" {'decode':>11} {'process':>11} {'zmq e2e':>11} {'target':>9}  ok"
+        + "".join(f" {m:>11}" for m in E2E_MODES if m != "sync")
     )
     for r in rows:
         mult = r["blocks_per_event"] if r["target_unit"] == "blocks/s" else 1
@@ -258,7 +366,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['workload']:10} {r['events_per_batch']:8} {r['payload_bytes_per_batch']:11}"
             f" {r['target_unit']:>9} {fmt(r['decode_events_per_s'] * mult):>11}"
             f" {fmt(r['process_events_per_s'] * mult):>11} {fmt(e2e):>11}"
-            f" {r['target'] / 1e6:7.2f} M  {'yes' if r['process_meets_target'] else 'NO'}"
+            f" {r['target'] / 1e6:7.2f} M  {'yes' if r['process_meets_target'] else 'NO':3}"
+            + "".join(
+                f" {fmt(None if (v := r[f'e2e_{m}_events_per_s']) is None else v * mult):>11}"
+                for m in E2E_MODES
+                if m != "sync"
+            )
         )
     result = {
         "bench": "events_bench",

@@ -7,14 +7,8 @@ See :mod:`events.subscriber` for a minimal example. The router (``router/``) and
 engine (``gpu_emitter/``) both build on this package and never on each other.
 """
 
-from events.publisher import (
-    EndpointError,
-    EventPublisher,
-    PublisherClosedError,
-    offset_endpoint_port,
-    publisher_binds,
-    validate_endpoint,
-)
+from events.endpoints import EndpointError, offset_endpoint_port, validate_endpoint
+from events.publisher import EventPublisher, PublisherClosedError, publisher_binds
 from events.schema import (
     AllBlocksCleared,
     BatchDecodeError,
@@ -40,7 +34,7 @@ from events.stream import (
     StreamSpec,
     StreamStats,
 )
-from events.subscriber import AsyncSubscriber, Subscriber, dp_stream_specs
+from events.subscriber import AsyncSubscriber, Subscriber, SubscriberError, dp_stream_specs
 
 __all__ = [
     "AllBlocksCleared",
@@ -66,6 +60,7 @@ __all__ = [
     "StreamSpec",
     "StreamStats",
     "Subscriber",
+    "SubscriberError",
     "UnknownEvent",
     "decode_batch",
     "dp_stream_specs",

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from events.publisher import EndpointError, offset_endpoint_port, validate_endpoint
+from events.endpoints import EndpointError, offset_endpoint_port, validate_endpoint
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent
 from events.stream import StreamBatch, StreamItem, StreamSpec
 from events.subscriber import Subscriber

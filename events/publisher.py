@@ -33,7 +33,6 @@ drops a batch.
 from __future__ import annotations
 
 import itertools
-import re
 import struct
 import threading
 import time
@@ -44,9 +43,17 @@ from typing import Any
 import msgspec
 import zmq
 
+from events.endpoints import (
+    EndpointError,
+    bind_or_connect,
+    offset_endpoint_port,
+    validate_endpoint,
+)
 from events.schema import KVEventBatch, encode_batch
 from events.stream import END_SEQ
 
+# EndpointError, offset_endpoint_port and validate_endpoint live in events.endpoints, shared
+# with the subscriber; they stay importable from here, where callers have always found them.
 __all__ = [
     "EndpointError",
     "EventPublisher",
@@ -61,48 +68,6 @@ _END = _SEQ.pack(END_SEQ)
 _STOP = b"stop"
 _ids = itertools.count()
 
-_TCP = re.compile(r"^tcp://(?P<host>.+):(?P<port>[^:\]]+)$")
-
-
-class EndpointError(ValueError):
-    """An endpoint string ZeroMQ cannot use; the message says what a valid one looks like."""
-
-
-class PublisherClosedError(RuntimeError):
-    """:meth:`EventPublisher.publish` was called after :meth:`EventPublisher.close`."""
-
-
-def validate_endpoint(endpoint: str, *, what: str = "endpoint") -> str:
-    """Return ``endpoint`` if it is a ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``
-    address, else raise :class:`EndpointError` naming the expected form.
-
-    Checked up front because ZeroMQ reports a bad address only as ``Invalid argument``, and
-    a connect to a well-formed but wrong address never fails at all.
-    """
-    hint = (
-        f"{what} {endpoint!r} is not a ZeroMQ address; use tcp://HOST:PORT "
-        "(e.g. tcp://127.0.0.1:5557, tcp://*:5557 to bind), ipc:///path or inproc://name"
-    )
-    if not isinstance(endpoint, str) or "://" not in endpoint:
-        raise EndpointError(hint)
-    scheme, _, rest = endpoint.partition("://")
-    if scheme in ("ipc", "inproc"):
-        if not rest:
-            raise EndpointError(hint)
-        return endpoint
-    if scheme != "tcp":
-        raise EndpointError(hint)
-    m = _TCP.match(endpoint)
-    if m is None:
-        raise EndpointError(hint)
-    port = m["port"]
-    if port != "*" and not (port.isdigit() and int(port) <= 65535):
-        raise EndpointError(
-            f"{what} {endpoint!r} has port {port!r}; the port must be a number "
-            "from 0 to 65535 (or * to bind an ephemeral port), e.g. tcp://127.0.0.1:5557"
-        )
-    return endpoint
-
 
 def publisher_binds(endpoint: str) -> bool:
     """vLLM's rule for the PUB socket (spec §3): bind if the endpoint contains ``*`` or
@@ -115,49 +80,8 @@ def publisher_binds(endpoint: str) -> bool:
     )
 
 
-def offset_endpoint_port(endpoint: str, data_parallel_rank: int) -> str:
-    """The endpoint of DP rank ``data_parallel_rank`` for a configured ``endpoint``
-    (spec §3, "Per DP rank"): TCP ports grow by the rank (port 0 and ``*`` are kept, so each
-    rank still gets an ephemeral port), ``inproc://`` names get the suffix ``_dp<rank>``
-    (for every rank, rank 0 included) and ``ipc://`` paths cannot be offset, so they are
-    refused for ranks above 0.
-    """
-    if data_parallel_rank < 0:
-        raise ValueError(f"data_parallel_rank must be >= 0, got {data_parallel_rank}")
-    validate_endpoint(endpoint)
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{data_parallel_rank}"
-    if endpoint.startswith("ipc://"):
-        if data_parallel_rank > 0:
-            raise EndpointError(
-                f"ipc endpoint {endpoint!r} cannot be offset for data-parallel rank "
-                f"{data_parallel_rank}; use a tcp:// endpoint (its port grows by the rank)"
-            )
-        return endpoint
-    base, _, port = endpoint.rpartition(":")
-    if not port.isdigit() or int(port) == 0 or data_parallel_rank == 0:
-        return endpoint
-    return f"{base}:{int(port) + data_parallel_rank}"
-
-
-def _set_ipv6(sock: zmq.Socket, endpoint: str) -> None:
-    if "[" in endpoint or "::" in endpoint:
-        sock.setsockopt(zmq.IPV6, 1)
-
-
-def _open(sock: zmq.Socket, endpoint: str, bind: bool) -> str:
-    """Bind or connect; returns the address actually in use (resolved ephemeral port)."""
-    _set_ipv6(sock, endpoint)
-    try:
-        if bind:
-            sock.bind(endpoint)
-            last = sock.getsockopt(zmq.LAST_ENDPOINT)
-            return last.decode() if isinstance(last, bytes) else str(last)
-        sock.connect(endpoint)
-    except zmq.ZMQError as exc:
-        action = "bind" if bind else "connect"
-        raise EndpointError(f"cannot {action} {endpoint!r}: {exc}") from None
-    return endpoint
+class PublisherClosedError(RuntimeError):
+    """:meth:`EventPublisher.publish` was called after :meth:`EventPublisher.close`."""
 
 
 class EventPublisher:
@@ -230,13 +154,13 @@ class EventPublisher:
         self._pull = self._ctx.socket(zmq.PULL)
         try:
             self._pub.setsockopt(zmq.SNDHWM, hwm)
-            self.endpoint: str = _open(self._pub, pub_ep, self.binds)
+            self.endpoint: str = bind_or_connect(self._pub, pub_ep, bind=self.binds)
             self.replay_endpoint: str | None = None
             if replay_ep is not None:
                 self._router = self._ctx.socket(zmq.ROUTER)
                 # A whole ring must fit in one reply burst: ROUTER drops above its HWM.
                 self._router.setsockopt(zmq.SNDHWM, 2 * buffer_steps + 16)
-                self.replay_endpoint = _open(self._router, replay_ep, True)
+                self.replay_endpoint = bind_or_connect(self._router, replay_ep, bind=True)
             queue_addr = f"inproc://kvrouter-publisher-{id(self)}-{next(_ids)}"
             self._pull.setsockopt(zmq.RCVHWM, 1)
             self._pull.bind(queue_addr)

@@ -4,8 +4,8 @@ One *stream* is one publisher: one replica and DP rank. vLLM numbers its batches
 per publisher start, keeps the last ``buffer_steps`` of them in a replay ring, and restarts
 at 0 without any other signal. Everything a subscriber must decide about that numbering
 lives here, as plain objects that take frames and return what to deliver, so the decisions
-can be tested exhaustively and the sync and asyncio socket layers
-(:mod:`events.subscriber`) stay thin and identical:
+can be tested exhaustively and the socket layer (:mod:`events.subscriber`, one asyncio core
+behind both the sync and the asyncio API) stays thin:
 
 * :class:`Sequencer` orders raw payloads by sequence number: accepts the first one, detects
   gaps and asks for a replay, holds live messages while a replay runs, detects restarts.

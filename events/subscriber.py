@@ -1,10 +1,8 @@
 """Subscribe to the KV events of any number of vLLM replicas and DP ranks (spec §3).
 
-One :class:`Subscriber` (a background thread) or :class:`AsyncSubscriber` (asyncio) reads all
-streams in a single ZeroMQ poller. Each stream is one publisher, described by a
-:class:`~events.stream.StreamSpec`. For every stream, items arrive in sequence order: a
-:class:`~events.stream.StreamBatch` per batch, or a typed signal when something happened to
-the stream that a consumer must know about:
+Each stream is one publisher, described by a :class:`~events.stream.StreamSpec`. For every
+stream, items arrive in sequence order: a :class:`~events.stream.StreamBatch` per batch, or a
+typed signal when something happened to the stream that a consumer must know about:
 
 * :class:`~events.stream.GapUnrecoverable`: batches were lost and replay could not bring
   them back; the view of that stream is incomplete (mark it untrusted);
@@ -14,6 +12,12 @@ the stream that a consumer must know about:
 
 Gaps are repaired transparently from the publisher's replay ring over a DEALER socket; the
 rules are in :mod:`events.stream`. Counters per stream: :meth:`Subscriber.stats`.
+
+There is one implementation, an asyncio core that reads every stream's sockets in a single
+``zmq.asyncio`` poller. :class:`AsyncSubscriber` runs it on the caller's event loop;
+:class:`Subscriber` runs it on a private event loop in a background thread and hands the
+items to the caller's thread in whole batches, so the two can never drift apart. If the core
+stops on an unexpected error, :class:`SubscriberError` is raised to the consumer (see there).
 
 Minimal example (a callback is also accepted, ``Subscriber(specs, on_item=...)``)::
 
@@ -39,19 +43,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import queue
 import struct
+import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from events.publisher import _open, offset_endpoint_port, validate_endpoint
+from events.endpoints import bind_or_connect, offset_endpoint_port, validate_endpoint
 from events.stream import (
     StreamItem,
     StreamProcessor,
@@ -59,7 +63,7 @@ from events.stream import (
     StreamStats,
 )
 
-__all__ = ["AsyncSubscriber", "Subscriber", "dp_stream_specs"]
+__all__ = ["AsyncSubscriber", "Subscriber", "SubscriberError", "dp_stream_specs"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,27 @@ _SEQ = struct.Struct(">Q")
 _LIVE = 0
 _REPLAY = 1
 _BURST = 256  # messages read from one socket before looking at the others
-_ids = itertools.count()
+#: Seconds :class:`Subscriber` waits for its thread to open the sockets; only a wedged
+#: machine takes more than milliseconds.
+_START_TIMEOUT = 30.0
+
+#: Where the core hands each poll round's items when there is no ``on_item`` callback.
+Sink = Callable[[list[StreamItem]], Awaitable[None]]
+#: The reader task's sockets: asyncio socket -> (stream index, _LIVE or _REPLAY, a plain
+#: shadow of the same libzmq socket). The asyncio poller says which are ready; the shadow
+#: drains them without a Future per message (the asyncio socket's own non-blocking receive
+#: does the same through a private shadow), a few microseconds per message on hot streams.
+_Where = dict[Any, tuple[int, int, zmq.Socket]]
+
+
+class SubscriberError(RuntimeError):
+    """The subscriber's reader stopped on an unexpected error, a bug: no more items come.
+
+    Raised to the consumer, never swallowed: by :meth:`Subscriber.get`, iteration and their
+    asyncio twins once the items delivered before the failure have been read, and by
+    ``close()`` when nothing had raised it before (the only place a callback consumer can
+    learn of it). ``__cause__`` is the original exception; its traceback is also logged.
+    """
 
 
 def dp_stream_specs(
@@ -80,7 +104,7 @@ def dp_stream_specs(
     bind: bool = False,
 ) -> list[StreamSpec]:
     """One :class:`StreamSpec` per data-parallel rank of a replica, with the endpoints
-    offset the way vLLM offsets them (:func:`~events.publisher.offset_endpoint_port`) and
+    offset the way vLLM offsets them (:func:`~events.endpoints.offset_endpoint_port`) and
     the rank checked. ``endpoint``/``replay_endpoint`` are rank 0's addresses; streams are
     named ``"<name>/dp<rank>"``."""
     return [
@@ -114,57 +138,332 @@ def _check_specs(streams: Iterable[StreamSpec]) -> list[StreamSpec]:
 
 
 class _Core:
-    """What the sync and asyncio subscribers share: the processors, the replay deadlines,
-    and the bookkeeping of which socket belongs to which stream. No socket I/O here."""
+    """The asyncio engine behind both subscribers.
 
-    def __init__(self, specs: list[StreamSpec], replay_timeout: float) -> None:
+    It owns the sockets (a SUB per stream, a DEALER per replay in flight), reads them all in
+    one ``zmq.asyncio`` poller, drives each stream's :class:`StreamProcessor`, opens replays
+    and times them out, keeps the counters, and closes everything. Items go to ``on_item``
+    when one is given, else to ``sink``: the one place where the asyncio and the threaded
+    frontends differ (an asyncio queue, or a hand-off to another thread).
+
+    :meth:`open`, :meth:`start` and :meth:`close` run on the loop that runs the reader task;
+    :meth:`stats` may be called from any thread (the processors are read and written under
+    :attr:`lock`).
+    """
+
+    def __init__(
+        self,
+        specs: list[StreamSpec],
+        *,
+        replay_timeout: float,
+        rcvhwm: int,
+        context: zmq.asyncio.Context,
+        on_item: Callable[[StreamItem], Any] | None,
+        sink: Sink | None,
+    ) -> None:
         if replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be > 0 seconds, got {replay_timeout}")
         self.specs = specs
         self.procs = [StreamProcessor(s) for s in specs]
+        self._by_name = {p.name: p for p in self.procs}
         self.replay_timeout = replay_timeout
         self.deadlines: dict[int, float] = {}
         self.lock = threading.Lock()
+        self.endpoints: dict[str, str] = {}
+        self._rcvhwm = rcvhwm
+        self._ctx = context
+        self._on_item = on_item
+        if on_item is not None:
+            self._deliver: Sink = self._call_back
+        elif sink is not None:
+            self._deliver = sink
+        else:  # pragma: no cover - both frontends pass one
+            raise TypeError("_Core needs on_item or sink")
+        self._subs: list[zmq.asyncio.Socket] = []
+        self._dealers: dict[int, zmq.asyncio.Socket] = {}
+        self._task: asyncio.Task[None] | None = None
+        #: The exception the reader task died of, if it did.
+        self.failure: BaseException | None = None
+        self._failure_raised = False
 
-    def next_timeout_ms(self, mono: float) -> int | None:
-        if not self.deadlines:
-            return None
-        return max(0, int((min(self.deadlines.values()) - mono) * 1000) + 1)
+    # -- lifecycle (on the loop) --------------------------------------------------------
 
-    def expired(self, mono: float) -> list[int]:
-        return [i for i, d in self.deadlines.items() if d <= mono]
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    def open(self) -> None:
+        """Bind or connect every stream's SUB socket; raise (with none left open) if one
+        cannot be, so a bad address fails where the subscriber is created."""
+        try:
+            for spec in self.specs:
+                sock = self._ctx.socket(zmq.SUB)
+                self._subs.append(sock)
+                sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+                sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+                self.endpoints[spec.name] = bind_or_connect(sock, spec.endpoint, bind=spec.bind)
+        except Exception:
+            self._close_sockets()
+            raise
+
+    def start(self, on_failure: Callable[[], None] | None = None) -> None:
+        """Launch the reader task; ``on_failure`` is called (on the loop) if it dies, after
+        :attr:`failure` is set, so the frontend can wake its readers."""
+        task = asyncio.get_running_loop().create_task(self._run())
+
+        def finished(t: asyncio.Task[None]) -> None:
+            if t.cancelled():
+                return
+            exc = t.exception()
+            if exc is None:  # pragma: no cover - _run only ends by cancellation or error
+                return
+            self.failure = exc
+            log.error("KV-event subscriber stopped on an unexpected error", exc_info=exc)
+            if on_failure is not None:
+                on_failure()
+
+        task.add_done_callback(finished)
+        self._task = task
+
+    async def close(self) -> None:
+        """Stop the reader task and close every socket."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])  # does not raise: a failure is in self.failure
+        self._close_sockets()
+
+    def raise_failure(self, *, unless_raised: bool = False) -> None:
+        """Raise :class:`SubscriberError` if the reader task died; with ``unless_raised``,
+        only if it has not been raised to the consumer yet (what ``close()`` does)."""
+        exc = self.failure
+        if exc is None or (unless_raised and self._failure_raised):
+            return
+        self._failure_raised = True
+        raise SubscriberError(
+            f"the KV-event subscriber stopped on an unexpected error ({exc!r}) and delivers "
+            "nothing more; close it and create a new one, and report the traceback logged "
+            "by events.subscriber"
+        ) from exc
+
+    # -- counters (any thread) ----------------------------------------------------------
 
     def stats(self) -> dict[str, StreamStats]:
         with self.lock:
             return {p.name: p.stats.copy() for p in self.procs}
 
-    def count_consumer_error(self, item: StreamItem) -> None:
-        name = item.stream
-        for p in self.procs:
-            if p.name == name:
-                with self.lock:
-                    p.stats.consumer_errors += 1
+    def _count_consumer_error(self, item: StreamItem) -> None:
+        proc = self._by_name.get(item.stream)
+        if proc is not None:
+            with self.lock:
+                proc.stats.consumer_errors += 1
+
+    # -- the reader task ----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        poller = zmq.asyncio.Poller()
+        where: _Where = {}
+        for i, sock in enumerate(self._subs):
+            poller.register(sock, zmq.POLLIN)
+            where[sock] = (i, _LIVE, zmq.Socket.shadow(sock.underlying))
+        out: list[StreamItem] = []
+        procs, lock, dealers = self.procs, self.lock, self._dealers
+        while True:
+            ready = await poller.poll(self._next_timeout_ms(time.monotonic()))
+            for sock, _ in ready:
+                key = where.get(sock)
+                if key is None:  # a replay socket closed earlier in this round
+                    continue
+                idx, kind, reader = key
+                proc = procs[idx]
+                for _ in range(_BURST):
+                    try:
+                        frames = reader.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    now = time.time()
+                    with lock:
+                        if kind == _LIVE:
+                            start = proc.on_live(frames, now, out)
+                        else:
+                            start = proc.on_replay(frames, now, out)
+                    if start is not None or idx in dealers:
+                        await self._replay_io(idx, start, poller, where, out)
+                    if kind == _REPLAY and dealers.get(idx) is not sock:
+                        break  # that socket was just closed
+            mono = time.monotonic()
+            for idx in [i for i, d in self.deadlines.items() if d <= mono]:
+                with lock:
+                    start = procs[idx].on_replay_failed("replay_timeout", out)
+                await self._replay_io(idx, start, poller, where, out)
+            if out:
+                await self._deliver(out)  # the sink owns the list from here
+                out = []
+
+    def _next_timeout_ms(self, mono: float) -> int | None:
+        if not self.deadlines:
+            return None
+        return max(0, int((min(self.deadlines.values()) - mono) * 1000) + 1)
+
+    async def _replay_io(
+        self,
+        idx: int,
+        start: int | None,
+        poller: zmq.asyncio.Poller,
+        where: _Where,
+        out: list[StreamItem],
+    ) -> None:
+        """Open, replace or close stream ``idx``'s replay DEALER to match its processor."""
+        proc = self.procs[idx]
+        while True:
+            old = self._dealers.get(idx)
+            if old is not None and (start is not None or not proc.replaying):
+                # A fresh socket per replay: late replies to an abandoned request can't mix.
+                poller.unregister(old)
+                del where[old]
+                del self._dealers[idx]
+                old.close(linger=0)
+                self.deadlines.pop(idx, None)
+            if start is None:
                 return
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVHWM, 0)
+            replay_ep = proc.spec.replay_endpoint
+            try:
+                if replay_ep is None:  # unreachable: the sequencer never asks without one
+                    raise zmq.ZMQError(msg="no replay endpoint")
+                bind_or_connect(dealer, replay_ep, bind=False)
+                await dealer.send_multipart((b"", _SEQ.pack(start)))
+            except (zmq.ZMQError, ValueError) as exc:
+                dealer.close(linger=0)
+                log.warning("replay request to %s failed: %s", replay_ep, exc)
+                with self.lock:
+                    start = proc.on_replay_failed("replay_failed", out)
+                continue
+            self._dealers[idx] = dealer
+            where[dealer] = (idx, _REPLAY, zmq.Socket.shadow(dealer.underlying))
+            poller.register(dealer, zmq.POLLIN)
+            self.deadlines[idx] = time.monotonic() + self.replay_timeout
+            return
+
+    async def _call_back(self, items: list[StreamItem]) -> None:
+        """Callback mode: a consumer's exception is logged and counted, delivery goes on."""
+        cb = self._on_item
+        if cb is None:  # pragma: no cover - chosen only when there is a callback
+            return
+        for item in items:
+            try:
+                cb(item)
+            except Exception:
+                log.exception("on_item callback raised for %r", type(item).__name__)
+                self._count_consumer_error(item)
+
+    def _close_sockets(self) -> None:
+        for sock in [*self._subs, *self._dealers.values()]:
+            sock.close(linger=0)
+        self._dealers.clear()
+
+
+class _Handoff:
+    """Items from the core's event loop thread to the threads that call
+    :meth:`Subscriber.get`, bounded, never dropping.
+
+    The core puts each poll round's items as one list, so a burst costs one lock round-trip
+    on the producer side rather than one per item. When ``max_items`` are pending the core
+    awaits a future that the consumer resolves (thread-safely) as soon as it takes an item:
+    the reader task waits without blocking its loop, and :meth:`Subscriber.close` can cancel
+    it at once. A batch is accepted whenever fewer than ``max_items`` are pending, so the
+    bound may be exceeded by one poll round's items (at most a few hundred). ``max_items``
+    of 0 or less means no bound, as for :class:`queue.Queue`.
+    """
+
+    def __init__(self, max_items: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._max = max_items if max_items > 0 else sys.maxsize
+        self._loop = loop
+        self._cond = threading.Condition(threading.Lock())
+        self._batches: deque[list[StreamItem]] = deque()
+        self._pos = 0  # index of the next item in self._batches[0]
+        self._pending = 0
+        self._space: asyncio.Future[None] | None = None
+        self.ended = False
+
+    async def put(self, items: list[StreamItem]) -> None:
+        """Queue ``items`` (taking ownership of the list); on the core's loop."""
+        while True:
+            with self._cond:
+                if self._pending < self._max:
+                    self._batches.append(items)
+                    self._pending += len(items)
+                    self._cond.notify_all()
+                    return
+                space = self._space = self._loop.create_future()
+            await space
+
+    def get(self, timeout: float | None) -> StreamItem | None:
+        """The next item, or ``None`` after ``timeout`` seconds or once ended and drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._batches:
+                if self.ended:
+                    return None
+                if deadline is None:
+                    self._cond.wait()
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None
+                    self._cond.wait(left)
+            batch = self._batches[0]
+            item = batch[self._pos]
+            self._pos += 1
+            if self._pos == len(batch):
+                self._batches.popleft()
+                self._pos = 0
+            self._pending -= 1
+            space = self._space
+            if space is not None and self._pending < self._max:
+                self._space = None
+                # RuntimeError: the loop is closed, so nobody is waiting any more.
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(_resolve, space)
+            return item
+
+    def end(self) -> None:
+        """No more items will come: wake every reader (they drain what is left)."""
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class Subscriber:
     """Receive KV events from many streams on one background thread.
 
-    Items (:data:`~events.stream.StreamItem`) are handed to ``on_item`` on that thread when
-    a callback is given (an exception it raises is logged and counted in
-    ``consumer_errors``; delivery goes on), otherwise they are queued for :meth:`get` and
-    iteration. With a queue of ``max_pending`` items the thread waits for the consumer
-    rather than drop anything; the ZeroMQ high-water mark and the replay ring then absorb
-    the backlog.
+    A thin wrapper: the asyncio core that :class:`AsyncSubscriber` runs on the caller's
+    loop runs here on a private event loop in a daemon thread. Items
+    (:data:`~events.stream.StreamItem`) are handed to ``on_item`` on that thread when a
+    callback is given (an exception it raises is logged and counted in ``consumer_errors``;
+    delivery goes on), otherwise they are queued for :meth:`get` and iteration. With
+    ``max_pending`` items queued the reader waits for the consumer rather than drop anything;
+    the ZeroMQ high-water mark and the replay ring then absorb the backlog.
+
+    Bad addresses raise here, in the constructor, on the caller's thread. If the core stops
+    on an unexpected error, :class:`SubscriberError` is raised by :meth:`get` and iteration
+    (after the items that came before it), or by :meth:`close` in callback mode.
 
     Args:
         streams: the publishers to follow (names must be unique).
-        on_item: optional callback, called on the subscriber thread.
+        on_item: optional callback, called on the subscriber thread (it must not call
+            :meth:`close`; signal another thread to do it).
         replay_timeout: seconds to wait for a replay's end marker before declaring the hole
             unrecoverable.
         rcvhwm: high-water mark of each SUB socket, in messages.
-        max_pending: queue bound when no callback is given.
-        context: ZeroMQ context (default: the process-wide instance).
+        max_pending: queue bound when no callback is given, in items (0: unbounded).
+        context: ZeroMQ context (default: the process-wide instance, which ``inproc://``
+            publishers share); the core uses an asyncio shadow of it.
 
     Attributes:
         endpoints: stream name -> address in use (resolved when the stream binds).
@@ -181,32 +480,52 @@ class Subscriber:
         context: zmq.Context | None = None,
     ) -> None:
         specs = _check_specs(streams)
-        self._core = _Core(specs, replay_timeout)
-        self._on_item = on_item
-        self._queue: queue.Queue[StreamItem | None] = queue.Queue(max_pending)
-        self._ctx = context if context is not None else zmq.Context.instance()
-        self._stopping = threading.Event()
-        self._closed = False
-        self._subs: list[zmq.Socket] = []
-        self._dealers: dict[int, zmq.Socket] = {}
-        self.endpoints: dict[str, str] = {}
-        ctl_addr = f"inproc://kvrouter-subscriber-{id(self)}-{next(_ids)}"
-        self._ctl_recv = self._ctx.socket(zmq.PAIR)
-        self._ctl_send = self._ctx.socket(zmq.PAIR)
+        self._loop = asyncio.new_event_loop()
+        self._handoff = None if on_item is not None else _Handoff(max_pending, self._loop)
+        ctx = zmq.asyncio.Context.shadow(context if context is not None else zmq.Context.instance())
         try:
-            self._ctl_recv.bind(ctl_addr)
-            self._ctl_send.connect(ctl_addr)
-            for spec in specs:
-                sock = self._ctx.socket(zmq.SUB)
-                self._subs.append(sock)
-                sock.setsockopt(zmq.RCVHWM, rcvhwm)
-                sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-                self.endpoints[spec.name] = _open(sock, spec.endpoint, spec.bind)
+            self._core = _Core(
+                specs,
+                replay_timeout=replay_timeout,
+                rcvhwm=rcvhwm,
+                context=ctx,
+                on_item=on_item,
+                sink=self._handoff.put if self._handoff is not None else None,
+            )
         except Exception:
-            self._close_sockets()
+            self._loop.close()
             raise
-        self._thread = threading.Thread(target=self._run, name="kv-event-subscriber", daemon=True)
+        self.endpoints: dict[str, str] = self._core.endpoints
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run_loop, name="kv-event-subscriber", daemon=True
+        )
         self._thread.start()
+        try:
+            started = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
+            try:
+                started.result(_START_TIMEOUT)
+            except TimeoutError:
+                raise SubscriberError(
+                    f"the subscriber thread did not open its sockets within {_START_TIMEOUT}s; "
+                    "the process is starved or a ZeroMQ call is stuck: retry, or check the "
+                    "machine's load"
+                ) from None
+        except BaseException:
+            self._closed = True
+            self._shut_down(5.0)
+            raise
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    async def _start(self) -> None:
+        self._core.open()
+        self._core.start(self._handoff.end if self._handoff is not None else None)
 
     # -- consumer API -------------------------------------------------------------------
 
@@ -220,15 +539,14 @@ class Subscriber:
 
     def get(self, timeout: float | None = None) -> StreamItem | None:
         """The next item, waiting up to ``timeout`` seconds (forever if ``None``); ``None``
-        on timeout or once the subscriber is closed and drained."""
-        if self._on_item is not None:
+        on timeout or once the subscriber is closed and drained. Raises
+        :class:`SubscriberError` once drained if the core failed."""
+        handoff = self._handoff
+        if handoff is None:
             raise RuntimeError("items go to the on_item callback; get() is for queue mode")
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if item is None:
-            self._queue.put(None)  # keep the end mark for other readers
+        item = handoff.get(timeout)
+        if item is None and handoff.ended:
+            self._core.raise_failure()
         return item
 
     def __iter__(self) -> Iterator[StreamItem]:
@@ -239,20 +557,35 @@ class Subscriber:
             yield item
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and close every socket. Items already queued stay readable."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stopping.set()
-        with contextlib.suppress(zmq.ZMQError):
-            self._ctl_send.send(b"stop")
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.warning("subscriber thread did not stop within %.1fs", timeout)
-            return
-        self._close_sockets()
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)
+        """Stop the thread and close every socket, waiting at most about ``timeout`` seconds
+        (a thread that does not stop by then is left behind with a warning, rather than hang
+        the caller). Readers blocked in :meth:`get` or iteration return; items already
+        queued stay readable. Raises :class:`SubscriberError` if the core had failed and
+        nothing raised that yet."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                "Subscriber.close() was called from the on_item callback, on the subscriber's "
+                "own thread; close it from another thread (e.g. set an Event in the callback)"
+            )
+        if not self._closed:
+            self._closed = True
+            self._shut_down(timeout)
+        self._core.raise_failure(unless_raised=True)
+
+    def _shut_down(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        try:
+            done = asyncio.run_coroutine_threadsafe(self._core.close(), self._loop)
+            done.result(timeout)
+        except TimeoutError:
+            log.warning("KV-event subscriber did not close its sockets within %.1fs", timeout)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+            if self._thread.is_alive():
+                log.warning("KV-event subscriber thread did not stop within %.1fs", timeout)
+            if self._handoff is not None:
+                self._handoff.end()
 
     def __enter__(self) -> Subscriber:
         return self
@@ -260,130 +593,15 @@ class Subscriber:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- thread -------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        core = self._core
-        poller = zmq.Poller()
-        poller.register(self._ctl_recv, zmq.POLLIN)
-        where: dict[zmq.Socket, tuple[int, int]] = {}
-        for i, sock in enumerate(self._subs):
-            poller.register(sock, zmq.POLLIN)
-            where[sock] = (i, _LIVE)
-        out: list[StreamItem] = []
-        try:
-            while True:
-                ready = poller.poll(core.next_timeout_ms(time.monotonic()))
-                for sock, _ in ready:
-                    if sock is self._ctl_recv:
-                        return
-                    key = where.get(sock)
-                    if key is None:  # a replay socket closed earlier in this round
-                        continue
-                    idx, kind = key
-                    proc = core.procs[idx]
-                    for _ in range(_BURST):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        now = time.time()
-                        with core.lock:
-                            if kind == _LIVE:
-                                start = proc.on_live(frames, now, out)
-                            else:
-                                start = proc.on_replay(frames, now, out)
-                        self._replay_io(idx, start, poller, where, out)
-                        if kind == _REPLAY and self._dealers.get(idx) is not sock:
-                            break  # that socket was just closed
-                for idx in core.expired(time.monotonic()):
-                    with core.lock:
-                        start = core.procs[idx].on_replay_failed("replay_timeout", out)
-                    self._replay_io(idx, start, poller, where, out)
-                if out:
-                    if not self._deliver(out):
-                        return
-                    out = []
-        except Exception:  # pragma: no cover - a bug; do not die silently
-            log.exception("KV-event subscriber thread failed")
-            raise
-
-    def _replay_io(
-        self,
-        idx: int,
-        start: int | None,
-        poller: zmq.Poller,
-        where: dict[zmq.Socket, tuple[int, int]],
-        out: list[StreamItem],
-    ) -> None:
-        """Open, replace or close stream ``idx``'s replay DEALER to match its processor."""
-        core = self._core
-        proc = core.procs[idx]
-        while True:
-            old = self._dealers.get(idx)
-            if old is not None and (start is not None or not proc.replaying):
-                # A fresh socket per replay: late replies to an abandoned request can't mix.
-                poller.unregister(old)
-                del where[old]
-                del self._dealers[idx]
-                old.close(linger=0)
-                core.deadlines.pop(idx, None)
-            if start is None:
-                return
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.RCVHWM, 0)
-            replay_ep = proc.spec.replay_endpoint
-            try:
-                if replay_ep is None:  # unreachable: the sequencer never asks without one
-                    raise zmq.ZMQError(msg="no replay endpoint")
-                _open(dealer, replay_ep, False)
-                dealer.send_multipart((b"", _SEQ.pack(start)))
-            except (zmq.ZMQError, ValueError) as exc:
-                dealer.close(linger=0)
-                log.warning("replay request to %s failed: %s", replay_ep, exc)
-                with core.lock:
-                    start = proc.on_replay_failed("replay_failed", out)
-                continue
-            self._dealers[idx] = dealer
-            where[dealer] = (idx, _REPLAY)
-            poller.register(dealer, zmq.POLLIN)
-            core.deadlines[idx] = time.monotonic() + core.replay_timeout
-            return
-
-    def _deliver(self, items: list[StreamItem]) -> bool:
-        cb = self._on_item
-        if cb is not None:
-            for item in items:
-                try:
-                    cb(item)
-                except Exception:
-                    log.exception("on_item callback raised for %r", type(item).__name__)
-                    self._core.count_consumer_error(item)
-            return True
-        q = self._queue
-        for item in items:
-            while True:
-                try:
-                    q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    if self._stopping.is_set():
-                        return False
-        return True
-
-    def _close_sockets(self) -> None:
-        for sock in [*self._subs, *self._dealers.values(), self._ctl_recv, self._ctl_send]:
-            sock.close(linger=0)
-        self._dealers.clear()
-
 
 class AsyncSubscriber:
-    """The asyncio twin of :class:`Subscriber`, on ``zmq.asyncio`` sockets.
+    """Receive KV events from many streams on the running asyncio loop (``zmq.asyncio``).
 
     Use ``async with AsyncSubscriber(specs) as sub: async for item in sub: ...``, or pass
     ``on_item`` (a plain function, called on the event loop). Must be started and closed on
     the same running event loop; :meth:`start` binds and connects (raising for bad
-    addresses) and launches the reader task.
+    addresses) and launches the reader task. Same arguments and failure rules as
+    :class:`Subscriber`, whose core this is.
     """
 
     def __init__(
@@ -396,50 +614,47 @@ class AsyncSubscriber:
         max_pending: int = 100_000,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
-        specs = _check_specs(streams)
-        self._core = _Core(specs, replay_timeout)
-        self._on_item = on_item
-        self._rcvhwm = rcvhwm
+        self._core = _Core(
+            _check_specs(streams),
+            replay_timeout=replay_timeout,
+            rcvhwm=rcvhwm,
+            context=context if context is not None else zmq.asyncio.Context.instance(),
+            on_item=on_item,
+            sink=self._enqueue,
+        )
         self._max_pending = max_pending
-        self._ctx = context if context is not None else zmq.asyncio.Context.instance()
         self._queue: asyncio.Queue[StreamItem | None] | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._subs: list[zmq.asyncio.Socket] = []
-        self._dealers: dict[int, zmq.asyncio.Socket] = {}
+        self._ended = self._end_pending = False
         self._closed = False
-        self.endpoints: dict[str, str] = {}
+        self.endpoints: dict[str, str] = self._core.endpoints
 
     def stats(self) -> dict[str, StreamStats]:
         """A snapshot of every stream's counters, by stream name."""
         return self._core.stats()
 
     async def start(self) -> AsyncSubscriber:
-        if self._task is not None:
+        if self._core.started:
             return self
         self._queue = asyncio.Queue(self._max_pending)
-        try:
-            for spec in self._core.specs:
-                sock = self._ctx.socket(zmq.SUB)
-                self._subs.append(sock)
-                sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
-                sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-                self.endpoints[spec.name] = _open(sock, spec.endpoint, spec.bind)
-        except Exception:
-            self._close_sockets()
-            raise
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._core.open()
+        self._core.start(self._end)
         return self
 
     async def get(self, timeout: float | None = None) -> StreamItem | None:
-        """The next item, or ``None`` on timeout or after :meth:`close`."""
-        if self._queue is None:
+        """The next item, or ``None`` on timeout or after :meth:`close` (raising
+        :class:`SubscriberError` instead if the core failed)."""
+        q = self._queue
+        if q is None:
             raise RuntimeError("call start() (or use 'async with') before reading items")
         try:
-            item = await asyncio.wait_for(self._queue.get(), timeout)
+            item = await asyncio.wait_for(q.get(), timeout)
         except TimeoutError:
             return None
         if item is None:
-            self._queue.put_nowait(None)
+            q.put_nowait(None)  # keep the end mark for other readers (its slot was just freed)
+            self._core.raise_failure()
+        elif self._end_pending:
+            self._end()
         return item
 
     def __aiter__(self) -> AsyncIterator[StreamItem]:
@@ -453,18 +668,13 @@ class AsyncSubscriber:
             yield item
 
     async def close(self) -> None:
-        """Cancel the reader task and close every socket."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._close_sockets()
-        if self._queue is not None:
-            with contextlib.suppress(asyncio.QueueFull):
-                self._queue.put_nowait(None)
+        """Cancel the reader task and close every socket; raises :class:`SubscriberError`
+        if the core had failed and nothing raised that yet."""
+        if not self._closed:
+            self._closed = True
+            await self._core.close()
+            self._end()
+        self._core.raise_failure(unless_raised=True)
 
     async def __aenter__(self) -> AsyncSubscriber:
         return await self.start()
@@ -472,101 +682,22 @@ class AsyncSubscriber:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _run(self) -> None:
-        core = self._core
-        poller = zmq.asyncio.Poller()
-        where: dict[Any, tuple[int, int]] = {}
-        for i, sock in enumerate(self._subs):
-            poller.register(sock, zmq.POLLIN)
-            where[sock] = (i, _LIVE)
-        out: list[StreamItem] = []
-        while True:
-            ready = await poller.poll(core.next_timeout_ms(time.monotonic()))
-            for sock, _ in ready:
-                key = where.get(sock)
-                if key is None:
-                    continue
-                idx, kind = key
-                proc = core.procs[idx]
-                for _ in range(_BURST):
-                    try:
-                        frames = await sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    now = time.time()
-                    with core.lock:
-                        if kind == _LIVE:
-                            start = proc.on_live(frames, now, out)
-                        else:
-                            start = proc.on_replay(frames, now, out)
-                    await self._replay_io(idx, start, poller, where, out)
-                    if kind == _REPLAY and self._dealers.get(idx) is not sock:
-                        break
-            for idx in core.expired(time.monotonic()):
-                with core.lock:
-                    start = core.procs[idx].on_replay_failed("replay_timeout", out)
-                await self._replay_io(idx, start, poller, where, out)
-            if out:
-                await self._deliver(out)
-                out = []
-
-    async def _replay_io(
-        self,
-        idx: int,
-        start: int | None,
-        poller: zmq.asyncio.Poller,
-        where: dict[Any, tuple[int, int]],
-        out: list[StreamItem],
-    ) -> None:
-        core = self._core
-        proc = core.procs[idx]
-        while True:
-            old = self._dealers.get(idx)
-            if old is not None and (start is not None or not proc.replaying):
-                poller.unregister(old)
-                del where[old]
-                del self._dealers[idx]
-                old.close(linger=0)
-                core.deadlines.pop(idx, None)
-            if start is None:
-                return
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.RCVHWM, 0)
-            replay_ep = proc.spec.replay_endpoint
-            try:
-                if replay_ep is None:
-                    raise zmq.ZMQError(msg="no replay endpoint")
-                _open(dealer, replay_ep, False)
-                await dealer.send_multipart((b"", _SEQ.pack(start)))
-            except (zmq.ZMQError, ValueError) as exc:
-                dealer.close(linger=0)
-                log.warning("replay request to %s failed: %s", replay_ep, exc)
-                with core.lock:
-                    start = proc.on_replay_failed("replay_failed", out)
-                continue
-            self._dealers[idx] = dealer
-            where[dealer] = (idx, _REPLAY)
-            poller.register(dealer, zmq.POLLIN)
-            core.deadlines[idx] = time.monotonic() + core.replay_timeout
-            return
-
-    async def _deliver(self, items: list[StreamItem]) -> None:
-        cb = self._on_item
-        if cb is not None:
-            for item in items:
-                try:
-                    cb(item)
-                except Exception:
-                    log.exception("on_item callback raised for %r", type(item).__name__)
-                    self._core.count_consumer_error(item)
-            return
+    async def _enqueue(self, items: list[StreamItem]) -> None:
         q = self._queue
         if q is None:  # pragma: no cover - start() sets it before the task runs
             return
         for item in items:
             await q.put(item)
 
-    def _close_sockets(self) -> None:
-        for sock in [*self._subs, *self._dealers.values()]:
-            sock.close(linger=0)
-        self._dealers.clear()
+    def _end(self) -> None:
+        """Queue the end mark after the items; if the queue is full, the next :meth:`get`
+        does it once it has freed a slot (so readers never wait for an end that is lost)."""
+        q = self._queue
+        if q is None or self._ended:  # once is enough: readers put it back for each other
+            return
+        try:
+            q.put_nowait(None)
+        except asyncio.QueueFull:
+            self._end_pending = True
+        else:
+            self._ended, self._end_pending = True, False

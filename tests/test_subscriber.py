@@ -6,7 +6,10 @@ asyncio :class:`AsyncSubscriber` (``async for``), through the harnesses of ``zmq
 
 from __future__ import annotations
 
+import asyncio
+import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +43,7 @@ from events.stream import (
     StreamSpec,
     _Apply,
 )
-from events.subscriber import Subscriber, dp_stream_specs
+from events.subscriber import AsyncSubscriber, Subscriber, SubscriberError, dp_stream_specs
 from tests.zmq_helpers import (
     HARNESSES,
     LOOPBACK,
@@ -800,3 +803,215 @@ def test_unknown_events_are_delivered_and_counted() -> None:
     (item,) = out
     assert type(item.batch.events[0]) is UnknownEvent and item.batch.unknown == 1
     assert p.stats.unknown_events == 1 and p.stats.events_by_type["UnknownEvent"] == 1
+
+
+# ---------------------------------------------------------------------------------------
+# The sync Subscriber as a wrapper of the asyncio core: errors, close, threads, sockets.
+# ---------------------------------------------------------------------------------------
+
+
+def first_item(sub: Subscriber, pub: EventPublisher) -> Any:
+    """Publish until ``sub.get`` returns an item (past the slow joiner); return it."""
+    deadline = time.monotonic() + 10
+    while (item := sub.get(timeout=0.05)) is None:
+        pub.publish([removed(0)])
+        assert time.monotonic() < deadline, "nothing arrived within 10s"
+    return item
+
+
+def _fail_on_live(monkeypatch: pytest.MonkeyPatch) -> type[Exception]:
+    """Make every stream's processor raise on its first live message: a bug in the core."""
+
+    class InjectedCoreBug(Exception):
+        pass
+
+    def on_live(self: StreamProcessor, frames: Any, now: float, out: list[Any]) -> None:
+        raise InjectedCoreBug("injected")
+
+    monkeypatch.setattr(StreamProcessor, "on_live", on_live)
+    return InjectedCoreBug
+
+
+def test_core_error_reaches_the_iterating_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    bug = _fail_on_live(monkeypatch)
+    with EventPublisher(LOOPBACK) as pub:
+        sub = Subscriber([StreamSpec("a", pub.endpoint)])
+        with pytest.raises(SubscriberError, match="create a new one") as info:
+            first_item(sub, pub)
+        assert type(info.value.__cause__) is bug
+        with pytest.raises(SubscriberError):  # every later read says so too
+            list(sub)
+        sub.close()  # already raised to the caller: close() does not raise it again
+        assert not sub._thread.is_alive()
+
+
+def test_core_error_reaches_a_callback_caller_at_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    bug = _fail_on_live(monkeypatch)
+    with EventPublisher(LOOPBACK) as pub:
+        sub = Subscriber([StreamSpec("a", pub.endpoint)], on_item=lambda item: None)
+        publish_until(lambda: pub.publish([removed(0)]), lambda: sub._core.failure is not None)
+        with pytest.raises(SubscriberError) as info:
+            sub.close()
+        assert type(info.value.__cause__) is bug
+        assert not sub._thread.is_alive()
+        sub.close()  # idempotent, and the error was reported once
+
+
+def test_core_error_reaches_the_async_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    bug = _fail_on_live(monkeypatch)
+
+    async def main() -> None:
+        with EventPublisher(LOOPBACK) as pub:
+            async with AsyncSubscriber([StreamSpec("a", pub.endpoint)]) as sub:
+                deadline = time.monotonic() + 10
+                with pytest.raises(SubscriberError) as info:
+                    while await sub.get(timeout=0.05) is None:
+                        pub.publish([removed(0)])
+                        assert time.monotonic() < deadline
+                assert type(info.value.__cause__) is bug
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("backlog", [False, True], ids=["idle", "queue-full"])
+def test_close_from_another_thread_while_iterating(backlog: bool) -> None:
+    """A reader blocked in ``for item in sub`` (waiting, or with the core waiting for queue
+    space) ends promptly when another thread closes the subscriber; nothing queued is lost."""
+    with EventPublisher(LOOPBACK) as pub:
+        sub = Subscriber([StreamSpec("a", pub.endpoint)], max_pending=4)
+        got: list[Any] = []
+        gate = threading.Event()  # the reader takes one item, then waits for the test
+
+        def read() -> None:
+            for item in sub:
+                got.append(item)
+                if len(got) == 1:
+                    gate.wait(10)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        publish_until(lambda: pub.publish([removed(0)]), lambda: got)
+        if backlog:  # publish until the queue is full and the core waits for space
+            handoff = sub._handoff
+            assert handoff is not None
+            publish_until(lambda: pub.publish([removed(1)]), lambda: handoff._space is not None)
+        else:
+            gate.set()
+            wait_for(lambda: sub.stats()["a"].last_seq == pub.next_seq - 1, what="caught up")
+        t0 = time.monotonic()
+        sub.close()
+        assert time.monotonic() - t0 < 2.0
+        gate.set()
+        reader.join(5)
+        assert not reader.is_alive() and not sub._thread.is_alive()
+        seqs = [i.seq for i in got]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # nothing skipped
+        if not backlog:
+            assert seqs[-1] == pub.next_seq - 1
+
+
+def test_max_pending_backpressure_loses_nothing() -> None:
+    """With a tiny queue and a consumer that reads late, the core waits instead of dropping."""
+    with EventPublisher(LOOPBACK) as pub:
+        sub = Subscriber([StreamSpec("a", pub.endpoint)], max_pending=3)
+        try:
+            first_item(sub, pub)
+            handoff = sub._handoff
+            assert handoff is not None
+            start = pub.next_seq
+            # Fill the queue until the core waits for space, then pile more up behind it.
+            publish_until(lambda: pub.publish([removed(1)]), lambda: handoff._space is not None)
+            for i in range(300):
+                last = pub.publish([removed(i)])
+            seqs = []
+            while not seqs or seqs[-1] < last:
+                nxt = sub.get(timeout=10)
+                assert nxt is not None, "the core stopped delivering"
+                seqs.append(nxt.seq)
+            tail = [s for s in seqs if s >= start]
+            assert tail == list(range(start, last + 1))
+            assert sub.stats()["a"].gaps == 0
+        finally:
+            sub.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _settled(baseline_threads: set[threading.Thread], baseline_fds: int) -> bool:
+    return set(threading.enumerate()) <= baseline_threads and _fds() <= baseline_fds
+
+
+def test_no_thread_or_socket_leaks_after_close() -> None:
+    """Subscribers opened and closed every way (queue, callback, failed start, failed core)
+    leave no thread and no file descriptor behind (sockets, the loop's selector)."""
+    spec = StreamSpec("a", "tcp://127.0.0.1:0", bind=True)
+    Subscriber([spec]).close()  # warm up the context's I/O threads
+    threads, fds = set(threading.enumerate()), _fds()
+    blocker = zmq.Context.instance().socket(zmq.PUB)
+    blocker.bind("tcp://127.0.0.1:*")
+    taken = last_endpoint(blocker)
+    try:
+        for _ in range(5):
+            with Subscriber([spec]) as sub:
+                assert sub.get(timeout=0.01) is None
+            with Subscriber([spec], on_item=lambda item: None):
+                pass
+            with pytest.raises(EndpointError, match="cannot bind"):
+                Subscriber([spec, StreamSpec("b", taken, bind=True)])
+    finally:
+        blocker.close(0)
+    wait_for(lambda: _settled(threads, fds), what="threads and descriptors released")
+
+
+def test_close_from_the_callback_is_refused() -> None:
+    holder: list[Subscriber] = []
+    errors: list[BaseException] = []
+
+    def on_item(item: Any) -> None:
+        try:
+            holder[0].close()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    with EventPublisher(LOOPBACK) as pub:
+        holder.append(Subscriber([StreamSpec("a", pub.endpoint)], on_item=on_item))
+        publish_until(lambda: pub.publish([removed(0)]), lambda: errors)
+        assert "from another thread" in str(errors[0])
+        holder[0].close()
+        assert not holder[0]._thread.is_alive()
+
+
+def test_inproc_stream_shares_the_default_context() -> None:
+    """The sync core runs on an asyncio shadow of ``zmq.Context.instance()``, so an
+    ``inproc://`` publisher on the default context is reachable as before."""
+    with EventPublisher("inproc://kvrouter-test-subscriber") as pub:
+        assert pub.binds
+        with Subscriber([StreamSpec("a", pub.endpoint)]) as sub:
+            assert type(first_item(sub, pub)) is StreamBatch
+
+
+def test_async_close_with_a_full_queue_still_ends_iteration() -> None:
+    """The end mark cannot go into a full queue at close(); it follows once a reader frees a
+    slot, so ``async for`` drains what was queued and ends instead of waiting forever."""
+
+    async def main() -> None:
+        with EventPublisher(LOOPBACK) as pub:
+            sub = AsyncSubscriber([StreamSpec("a", pub.endpoint)], max_pending=2)
+            await sub.start()
+            deadline = time.monotonic() + 10
+            while sub._queue is None or not sub._queue.full():
+                pub.publish([removed(0)])
+                assert time.monotonic() < deadline, "the queue never filled"
+                await asyncio.sleep(0.01)  # poll: let the reader task run
+            await sub.close()
+
+            async def drain() -> list[Any]:
+                return [item async for item in sub]
+
+            items = await asyncio.wait_for(drain(), 5)
+            assert len(items) == 2 and all(type(i) is StreamBatch for i in items)
+            assert await sub.get(timeout=0.01) is None
+
+    asyncio.run(main())
