@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from fake_replica import MODEL, FakeReplica, ServerThread
-from test_proxy import TOKEN, Cluster, words
+from test_proxy import TOKEN, Cluster, router_toml, words
 from zmq_helpers import wait_for
 
 from gpu_emitter import tokenizer
@@ -160,3 +160,47 @@ def test_refuses_admin_on_public_host_without_token() -> None:
         create_app(parse_config('[server]\nhost = "0.0.0.0"\n' + BASE))
     create_app(parse_config(f'[server]\nhost = "0.0.0.0"\nadmin_token = "{TOKEN}"\n' + BASE))
     create_app(parse_config('[server]\nhost = "0.0.0.0"\nadmin_enabled = false\n' + BASE))
+
+
+
+def test_removing_a_replica_whose_subscriber_died_releases_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug inside the event reader makes the subscriber's close() raise SubscriberError; the
+    admin removal must still drop the replica, its index state and its connections."""
+    import httpx
+
+    from events.stream import StreamProcessor
+
+    class InjectedCoreBug(Exception):
+        pass
+
+    def on_live(self: StreamProcessor, frames: object, now: float, out: list) -> None:
+        raise InjectedCoreBug("injected")
+
+    fake = FakeReplica("x")
+    with ServerThread(fake.app) as srv:
+        app = create_app(parse_config(router_toml({"x": (fake, srv)})))
+        state = app.state.router
+        with ServerThread(app) as router, httpx.Client(base_url=router.url, timeout=10) as http:
+            h = {"authorization": f"Bearer {TOKEN}"}
+
+            def entries() -> int:
+                return http.get("/admin/index", headers=h).json()["pools"][0]["entries"]
+
+            fake.serve_prompt(tokenizer.encode(words(5, 64)))
+            wait_for(lambda: entries() > 0, 10, "x's blocks indexed")
+            monkeypatch.setattr(StreamProcessor, "on_live", on_live)
+            sub = state.pools[MODEL].replicas["x"].subscriber
+            wait_for(
+                lambda: fake.serve_prompt(tokenizer.encode(words(6, 64))) is None
+                or sub._core.failure is not None,
+                10,
+                "the subscriber's reader to hit the injected bug",
+            )
+            assert isinstance(sub._core.failure, InjectedCoreBug)
+            r = http.delete("/admin/replicas/x", headers=h)
+            assert r.status_code == 200 and r.json() == {"removed": "x"}, r.text
+            assert http.get("/admin/replicas", headers=h).json()["replicas"] == []
+            assert entries() == 0
+    fake.close()

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from events.stream import StreamSpec, StreamStats
-from events.subscriber import AsyncSubscriber
+from events.subscriber import AsyncSubscriber, SubscriberError
 from router.config import PoolConfig, ReplicaConfig, RouterConfig
 from router.core.index import IndexLimits, KVIndex, ReplicaKey
 from router.core.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
@@ -203,7 +203,10 @@ class PoolState:
     async def remove_replica(self, name: str) -> None:
         rep = self.replicas.pop(name)
         if rep.subscriber is not None:
-            await rep.subscriber.close()
+            try:
+                await rep.subscriber.close()
+            except SubscriberError:  # its reader had died; the rest must still be released
+                log.exception("event subscriber of replica %r had failed", name)
         if self.speculative is not None:
             for r in rep.ranks:
                 self.speculative.forget_replica((name, r))
