@@ -29,9 +29,10 @@ B = 16
 
 
 class StandInPool:
-    """A full-attention-only pool with the HybridBlockPool API (temporary, until
-    gpu_emitter.block_pool lands): chain hashes per 16-token block, LRU eviction of free
-    cached blocks, BlockStored/BlockRemoved events."""
+    """A full-attention-only pool with the HybridBlockPool API: chain hashes per 16-token
+    block, LRU eviction of free cached blocks, BlockStored/BlockRemoved events. It keeps the
+    engine's scheduling tests apart from the real pool (gpu_emitter.hybrid_pool), whose own
+    tests are test_block_pool.py and test_engine_vs_vllm.py."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
