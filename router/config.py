@@ -25,6 +25,7 @@ import msgspec
 
 from events.layout import LayoutError, ModelLayout, resolve
 from events.publisher import EndpointError, offset_endpoint_port, validate_endpoint
+from router.core.index import IndexLimits
 
 __all__ = [
     "ConfigError",
@@ -88,12 +89,37 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_bytes: int = 1 << 30
     """Memory budget of each pool's index tables (router.core.index)."""
     replay_timeout_s: float = 2.0
+    max_groups: int = 64
+    """Events with ``group_idx`` outside ``0..max_groups-1`` are refused (counted, replica
+    untrusted) before anything is allocated for them."""
+    max_block_size: int = 1 << 16
+    """Stores announcing a larger ``block_size`` (tokens) are refused, never learned."""
+    max_extra_tiers: int = 8
+    """Distinct connector ``medium`` names kept as tiers of their own besides GPU/CPU/STORAGE."""
+    warn_interval_s: float = 60.0
+    """One log warning per (replica, reason) per interval; every occurrence is counted."""
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 << 20:
             raise ValueError(f"max_bytes must be >= 1 MiB, got {self.max_bytes}")
         if self.replay_timeout_s <= 0:
             raise ValueError("replay_timeout_s must be > 0")
+        if not 1 <= self.max_groups <= 4096:
+            raise ValueError(f"max_groups must be in 1..4096, got {self.max_groups}")
+        if self.max_block_size < 1:
+            raise ValueError(f"max_block_size must be >= 1, got {self.max_block_size}")
+        if self.max_extra_tiers < 0 or self.warn_interval_s < 0:
+            raise ValueError("max_extra_tiers and warn_interval_s must be >= 0")
+
+    def limits(self) -> IndexLimits:
+        """The index bounds this config sets."""
+        return IndexLimits(
+            max_bytes=self.max_bytes,
+            max_groups=self.max_groups,
+            max_block_size=self.max_block_size,
+            max_extra_tiers=self.max_extra_tiers,
+            warn_interval_s=self.warn_interval_s,
+        )
 
 
 class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

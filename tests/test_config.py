@@ -72,6 +72,8 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
             ["unique", "$.pools[0]"],
         ),
         ("[server\n", ["not valid TOML"]),
+        ("[index]\nmax_groups = 0\n" + MINIMAL, ["max_groups", "$.index"]),
+        ("[index]\nmax_block_size = -1\n" + MINIMAL, ["max_block_size", "$.index"]),
     ],
 )
 def test_bad_config_names_file_path_and_reason(text: str, needles: list[str]) -> None:
@@ -98,3 +100,9 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 def test_redacted_hides_admin_token() -> None:
     cfg = parse_config('[server]\nadmin_token = "s3cret"\n' + MINIMAL)
     assert "s3cret" not in str(cfg.redacted())
+
+
+def test_index_bounds_reach_the_index_limits() -> None:
+    cfg = parse_config("[index]\nmax_groups = 8\nmax_block_size = 512\n" + MINIMAL)
+    limits = cfg.index.limits()
+    assert (limits.max_groups, limits.max_block_size, limits.max_bytes) == (8, 512, 1 << 30)

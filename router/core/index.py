@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -111,6 +112,17 @@ class IndexLimits:
     """Root full-attention stores re-hashed per replica before sampling starts."""
     conformance_every: int = 32
     """After that, one root store in this many is re-hashed."""
+    max_groups: int = 64
+    """``group_idx`` accepted from the wire is ``0 <= g < max_groups``. A table per group is
+    allocated on first use, so an unbounded index would let one frame allocate millions."""
+    max_block_size: int = 1 << 16
+    """Largest ``block_size`` a store may announce (tokens). A bigger one is refused, not
+    learned: a learned layout with a huge block would make every prediction 0."""
+    max_extra_tiers: int = 8
+    """Tiers beyond GPU/CPU/STORAGE (a connector's own ``medium`` names) kept under their own
+    name; past this many distinct names, stores on new ones are refused."""
+    warn_interval_s: float = 60.0
+    """One log warning per (replica, reason) per interval; every occurrence is still counted."""
 
 
 class ReplicaStats(msgspec.Struct):
@@ -135,6 +147,8 @@ class ReplicaStats(msgspec.Struct):
     conformance_mismatches: int
     conformance_skipped: int
     group_aware: bool | None
+    ingest_errors: dict[str, int] = {}
+    """Refused events and ingest failures by reason (``kvrouter_ingest_errors_total``)."""
 
 
 @dataclass(slots=True)
@@ -154,6 +168,9 @@ class _Replica:
     """Keys this replica holds (all tiers and groups), kept as events apply so stats are O(1)."""
     extra: int = 0
     """Physical copies beyond the first, likewise."""
+    ingest_errors: dict[str, int] = field(default_factory=dict)
+    warned: dict[str, float] = field(default_factory=dict)
+    """Last warning time per reason label (the rate limit of IndexLimits.warn_interval_s)."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             (
@@ -252,6 +269,7 @@ class KVIndex:
         self._hasher: BlockHasher | None = None
         self._hasher_for: tuple | None = None
         self._tiers = {t: _Tier() for t in TIERS}
+        self._tier_of: dict[object, str] = {None: "GPU", **{t: t for t in TIERS}}
         self._replicas: dict[ReplicaKey, _Replica] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -401,109 +419,184 @@ class KVIndex:
     # ------------------------------------------------------------------ ingest
 
     def apply_events(self, key: ReplicaKey, events: Iterable[object]) -> None:
-        """Apply one batch's events for one replica, strictly in order (§2.5)."""
+        """Apply one batch's events for one replica, strictly in order (§2.5).
+
+        Wire values are bounded before anything is allocated for them (``group_idx``,
+        ``block_size``, the tier a ``medium`` names): an event outside the bounds is refused,
+        counted and makes the replica untrusted (its state is then incomplete). The counters
+        are written back even if an event raises, so the index stays consistent for the
+        caller to distrust the replica (:meth:`ingest_failed`).
+        """
         rep = self._replica(key)
         bit, slot, counters = rep.bit, rep.slot, rep.counters
-        tiers = self._tiers
+        tiers, tier_of = self._tiers, self._tier_of
+        max_groups, max_block = self.limits.max_groups, self.limits.max_block_size
         entries = self.entries
         held = rep.blocks
-        for ev in events:
-            cls = type(ev)
-            if cls is BlockStored or cls is LazyTokensBlockStored:
-                g = ev.group_idx
-                aware = g is not None
-                if rep.group_aware is not aware:
-                    if rep.group_aware is None:
-                        rep.group_aware = aware
-                    else:
-                        self._distrust(
-                            rep,
-                            "events with and without group_idx on one stream: kvrouter cannot "
-                            "tell which group they belong to (spec §6.2); restart the replica "
-                            "with one vLLM version",
-                            recoverable=True,
+        try:
+            for ev in events:
+                cls = type(ev)
+                if cls is BlockStored or cls is LazyTokensBlockStored:
+                    tier = tier_of.get(ev.medium) or self._new_tier(rep, ev.medium)
+                    g = ev.group_idx
+                    aware = g is not None
+                    if tier is None:
+                        continue
+                    if aware and not 0 <= g < max_groups:
+                        self._refuse(rep, "group_idx", f"group_idx {g} outside 0..{max_groups - 1}")
+                        continue
+                    if not 0 <= ev.block_size <= max_block:
+                        self._refuse(
+                            rep, "block_size", f"block_size {ev.block_size} outside 0..{max_block}"
                         )
-                if not aware:
-                    g = 0
-                if ev.medium in (None, "GPU") and ev.block_size > 0:
-                    problem = self._learn(rep, ev, g)
-                    if problem is not None:
-                        self._distrust(rep, problem, recoverable=False)
-                    spec = self._group_spec(g)
-                    if spec is not None and ev.block_size < spec.block_size:
-                        counters["partial_stores"] += 1
-                    elif (
-                        ev.parent_block_hash is None
-                        and self.conformance is not None
-                        and spec is not None
-                        and spec.is_fa_type
-                        and ev.block_hashes
-                    ):
-                        self._check_conformance(rep, ev, spec)
-                table, extra = tiers[ev.medium or "GPU"].group(g)
-                for h in ev.block_hashes:
-                    m = table.get(h, 0)
-                    if m & bit:
-                        k = (slot, h)
-                        extra[k] = extra.get(k, 1) + 1
-                        self.extra_entries += 1
-                        rep.extra += 1
-                    else:
-                        if not m:
-                            entries += 1
-                        table[h] = m | bit
-                        held += 1
-                counters["stored_blocks"] += len(ev.block_hashes)
-            elif cls is BlockRemoved:
-                g = ev.group_idx if ev.group_idx is not None else 0
-                table, extra = tiers[ev.medium or "GPU"].group(g)
-                for h in ev.block_hashes:
-                    m = table.get(h, 0)
-                    if not m & bit:
-                        counters["unknown_removals"] += 1
                         continue
-                    k = (slot, h)
-                    c = extra.get(k)
-                    if c is not None:
-                        self.extra_entries -= 1
-                        rep.extra -= 1
-                        if c == 2:
-                            del extra[k]
+                    if not aware:
+                        g = 0
+                    if tier == "GPU":
+                        # Only the GPU stream says whether the producer tags groups: connectors
+                        # publish their own tiers with or without group_idx (spec §6.2).
+                        if rep.group_aware is not aware:
+                            if rep.group_aware is None:
+                                rep.group_aware = aware
+                            else:
+                                self._distrust(
+                                    rep,
+                                    "GPU events with and without group_idx on one stream: "
+                                    "kvrouter cannot tell which group they belong to (spec "
+                                    "§6.2); run the replica's engine on one vLLM version",
+                                    recoverable=True,
+                                    label="mixed_group_idx",
+                                )
+                        if ev.block_size > 0:
+                            problem = self._learn(rep, ev, g)
+                            if problem is not None:
+                                self._distrust(
+                                    rep, problem, recoverable=False, label="layout_conflict"
+                                )
+                            spec = self._group_spec(g)
+                            if spec is not None and ev.block_size < spec.block_size:
+                                counters["partial_stores"] += 1
+                            elif (
+                                ev.parent_block_hash is None
+                                and self.conformance is not None
+                                and spec is not None
+                                and spec.is_fa_type
+                                and ev.block_hashes
+                            ):
+                                self._check_conformance(rep, ev, spec)
+                    table, extra = tiers[tier].group(g)
+                    for h in ev.block_hashes:
+                        m = table.get(h, 0)
+                        if m & bit:
+                            k = (slot, h)
+                            extra[k] = extra.get(k, 1) + 1
+                            self.extra_entries += 1
+                            rep.extra += 1
                         else:
-                            extra[k] = c - 1
+                            if not m:
+                                entries += 1
+                            table[h] = m | bit
+                            held += 1
+                    counters["stored_blocks"] += len(ev.block_hashes)
+                elif cls is BlockRemoved:
+                    tier = tier_of.get(ev.medium) or self._new_tier(rep, ev.medium)
+                    g = ev.group_idx if ev.group_idx is not None else 0
+                    if tier is None:
                         continue
-                    m &= ~bit
-                    held -= 1
-                    if m:
-                        table[h] = m
-                    else:
-                        del table[h]
-                        entries -= 1
-                counters["removed_blocks"] += len(ev.block_hashes)
-            elif cls is AllBlocksCleared:
-                self.entries = entries
-                self._wipe(rep)
-                entries, held = self.entries, 0
-                counters["clears"] += 1
-                if not rep.trusted and rep.recoverable:
-                    # A reset is a known state: the stream is usable again (§5.4).
-                    rep.trusted, rep.untrusted_reason = True, None
-            elif cls is UnknownEvent:
-                counters["unknown_events"] += 1
-                self._distrust(
-                    rep,
-                    f"lost events: an event could not be decoded ({ev.error}); upgrade kvrouter "
-                    f"or reset the replica's prefix cache",
-                    recoverable=True,
-                )
-            else:
-                raise TypeError(f"not a KV event: {ev!r}")
-        self.entries = entries
-        rep.blocks = held
-        self.generation += 1
+                    if not 0 <= g < max_groups:
+                        self._refuse(rep, "group_idx", f"group_idx {g} outside 0..{max_groups - 1}")
+                        continue
+                    t = tiers[tier]
+                    if g >= len(t.tables):  # nothing was ever stored there: allocate nothing
+                        counters["unknown_removals"] += len(ev.block_hashes)
+                        counters["removed_blocks"] += len(ev.block_hashes)
+                        continue
+                    table, extra = t.tables[g], t.extra[g]
+                    for h in ev.block_hashes:
+                        m = table.get(h, 0)
+                        if not m & bit:
+                            counters["unknown_removals"] += 1
+                            continue
+                        k = (slot, h)
+                        c = extra.get(k)
+                        if c is not None:
+                            self.extra_entries -= 1
+                            rep.extra -= 1
+                            if c == 2:
+                                del extra[k]
+                            else:
+                                extra[k] = c - 1
+                            continue
+                        m &= ~bit
+                        held -= 1
+                        if m:
+                            table[h] = m
+                        else:
+                            del table[h]
+                            entries -= 1
+                    counters["removed_blocks"] += len(ev.block_hashes)
+                elif cls is AllBlocksCleared:
+                    self.entries = entries
+                    self._wipe(rep)
+                    entries, held = self.entries, 0
+                    counters["clears"] += 1
+                    if not rep.trusted and rep.recoverable:
+                        # A reset is a known state: the stream is usable again (§5.4).
+                        rep.trusted, rep.untrusted_reason = True, None
+                elif cls is UnknownEvent:
+                    counters["unknown_events"] += 1
+                    self._distrust(
+                        rep,
+                        f"lost events: an event could not be decoded ({ev.error}); upgrade "
+                        f"kvrouter or reset the replica's prefix cache",
+                        recoverable=True,
+                        label="unknown_event",
+                    )
+                else:
+                    raise TypeError(f"not a KV event: {ev!r}")
+        finally:
+            self.entries = entries
+            rep.blocks = held
+            self.generation += 1
         if self.nbytes() > self.limits.max_bytes:
             while self.entries and self.nbytes() > 0.9 * self.limits.max_bytes:
                 self._reclaim()
+
+    def _new_tier(self, rep: _Replica, medium: object) -> str | None:
+        """The tier a ``medium`` spelling names, memoized; None (counted, replica untrusted)
+        when it is not a string or would be one tier too many.
+
+        vLLM writes ``"GPU"``/``"CPU"``; its Mooncake store connector writes ``"cpu"``, so
+        names are case-insensitive. A connector's own name is kept as its own tier rather than
+        refused: its events are then indexed apart from the GPU's and never decide a GPU hit.
+        """
+        if not isinstance(medium, str) or not medium or len(medium) > 64:
+            self._refuse(rep, "medium", f"medium {medium!r} is not a tier name")
+            return None
+        name = medium.upper()
+        if name not in self._tiers:
+            if len(self._tiers) >= len(TIERS) + self.limits.max_extra_tiers:
+                self._refuse(
+                    rep,
+                    "medium",
+                    f"medium {medium!r}: over {self.limits.max_extra_tiers} extra tiers",
+                )
+                return None
+            self._tiers[name] = _Tier()
+        if len(self._tier_of) < 256:  # spellings are memoized, but never without bound
+            self._tier_of[medium] = name
+        return name
+
+    def _refuse(self, rep: _Replica, what: str, detail: str) -> None:
+        """An event the index will not apply: its information is lost, so the replica's state
+        is incomplete (untrusted until a clear or restart), and the refusal is counted."""
+        self._distrust(
+            rep,
+            f"refused an event: {detail}; call the replica's /reset_prefix_cache or restart it "
+            f"to return to a known state",
+            recoverable=True,
+            label=f"refused_{what}",
+        )
 
     def _group_spec(self, g: int) -> GroupSpec | None:
         if self.declared.groups:
@@ -525,7 +618,12 @@ class KVIndex:
             expected = self.conformance(ev.tokens(), ev.block_size, salt)
         except ValueError as exc:  # the hash settings themselves are unusable
             rep.counters["conformance_mismatches"] += 1
-            self._distrust(rep, f"cannot recompute block hashes: {exc}", recoverable=False)
+            self._distrust(
+                rep,
+                f"cannot recompute block hashes: {exc}",
+                recoverable=False,
+                label="hash_settings",
+            )
             return
         if expected is None:  # hash_block_size not known yet (groups still being learned)
             rep.roots_seen -= 1
@@ -543,13 +641,23 @@ class KVIndex:
                 f"hash algo, PYTHONHASHSEED, int_block_hashes and block sizes against the "
                 f"replica's launch flags"
             )
-            self._distrust(rep, msg, recoverable=False)
+            self._distrust(rep, msg, recoverable=False, label="hash_mismatch")
 
-    def _distrust(self, rep: _Replica, reason: str, *, recoverable: bool) -> None:
-        if rep.trusted or rep.untrusted_reason != reason:
+    def _distrust(
+        self, rep: _Replica, reason: str, *, recoverable: bool, label: str = "external"
+    ) -> None:
+        """Mark ``rep`` untrusted. Every call is counted under ``label`` (a short, bounded
+        reason for the metric); the log gets one line per (replica, label) per
+        ``warn_interval_s``, so a replica that stays wrong cannot flood it."""
+        rep.ingest_errors[label] = rep.ingest_errors.get(label, 0) + 1
+        now = time.monotonic()
+        last = rep.warned.get(label)
+        if last is None or now - last >= self.limits.warn_interval_s:
+            rep.warned[label] = now
             log.warning(
-                "pool %r replica %s/dp%d untrusted: %s", self.pool, rep.name, rep.dp_rank, reason
-            )
+                "pool %r replica %s/dp%d untrusted (%s, %d so far): %s",
+                self.pool, rep.name, rep.dp_rank, label, rep.ingest_errors[label], reason,
+            )  # fmt: skip
         if rep.trusted or rep.recoverable:
             # A settings problem outranks lost events: it must not be cleared by a reset.
             rep.untrusted_reason = reason
@@ -584,11 +692,27 @@ class KVIndex:
             f"lost events ({detail}); call the replica's /reset_prefix_cache or restart it to "
             f"return to a known state",
             recoverable=True,
+            label="lost_events",
         )
 
-    def mark_untrusted(self, key: ReplicaKey, reason: str, *, recoverable: bool = True) -> None:
-        """Distrust a replica for a reason found outside the event stream."""
-        self._distrust(self._replica(key), reason, recoverable=recoverable)
+    def mark_untrusted(
+        self, key: ReplicaKey, reason: str, *, recoverable: bool = True, label: str = "external"
+    ) -> None:
+        """Distrust a replica for a reason found outside the event stream (``label``: the
+        short reason it is counted under)."""
+        self._distrust(self._replica(key), reason, recoverable=recoverable, label=label)
+
+    def ingest_failed(self, key: ReplicaKey, exc: BaseException) -> None:
+        """An unexpected error while applying one of this replica's batches (a bug, or input
+        no check foresaw): the rest of that batch is lost, so the replica is untrusted until a
+        known state returns. Only this replica is affected; its stream keeps running."""
+        self._distrust(
+            self._replica(key),
+            f"an event batch could not be applied ({type(exc).__name__}: {exc}); call the "
+            f"replica's /reset_prefix_cache or restart it to return to a known state",
+            recoverable=True,
+            label="ingest_exception",
+        )
 
     def _wipe(self, rep: _Replica) -> None:
         bit, slot, keep = rep.bit, rep.slot, ~rep.bit
@@ -642,8 +766,12 @@ class KVIndex:
 
     def table(self, tier: str, group: int) -> dict[object, int]:
         """The hash -> replica-bitmask table of one tier and group (empty if none yet)."""
-        t = self._tiers[tier]
-        return t.tables[group] if group < len(t.tables) else {}
+        t = self._tiers.get(tier)
+        return t.tables[group] if t is not None and group < len(t.tables) else {}
+
+    def tiers(self) -> list[str]:
+        """Every tier the index has: GPU, CPU, STORAGE and the connectors' own names seen."""
+        return list(self._tiers)
 
     def tiers_in_use(self) -> list[str]:
         return [name for name, t in self._tiers.items() if any(t.tables)]
@@ -651,8 +779,8 @@ class KVIndex:
     def copies(self, key: ReplicaKey, group: int, h: object, tier: str = "GPU") -> int:
         """Physical copies of ``h`` the replica holds in ``group`` (0 if none)."""
         rep = self._replica(key)
-        t = self._tiers[tier]
-        if group >= len(t.tables) or not t.tables[group].get(h, 0) & rep.bit:
+        t = self._tiers.get(tier)
+        if t is None or group >= len(t.tables) or not t.tables[group].get(h, 0) & rep.bit:
             return 0
         return t.extra[group].get((rep.slot, h), 1)
 
@@ -676,6 +804,7 @@ class KVIndex:
                     blocks=rep.blocks,
                     extra_copies=rep.extra,
                     group_aware=rep.group_aware,
+                    ingest_errors=dict(rep.ingest_errors),
                     **rep.counters,
                 )
             )

@@ -16,7 +16,6 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, Field
 
 from router.config import ReplicaConfig
-from router.core.index import TIERS
 from router.server.state import PoolState, RouterState
 
 __all__ = ["admin_router"]
@@ -197,7 +196,7 @@ def admin_router(state: RouterState) -> APIRouter:
             per: dict[str, dict[str, dict[str, int]]] = {}
             keys = idx.replicas()
             bits = {k: idx.slot_bit(k) for k in keys}
-            for tier in TIERS:
+            for tier in idx.tiers():
                 for g in range(n_groups):
                     table = idx.table(tier, g)
                     if not table:

@@ -62,7 +62,10 @@ class IndexFeeder:
             raise UnknownStream(item.stream) from None
         cls = type(item)
         if cls is StreamBatch:
-            self.index.apply_events(key, item.batch.events)
+            try:
+                self.index.apply_events(key, item.batch.events)
+            except Exception as exc:  # one replica's bad batch never stops its stream
+                self.index.ingest_failed(key, exc)
         elif cls is StreamReset:
             self.index.reset_replica(key)
         elif cls is GapUnrecoverable:

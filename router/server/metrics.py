@@ -57,6 +57,11 @@ class _StateCollector(Collector):
             "kvrouter_replica_trusted", "1 if the replica's cache state is trusted",
             labels=["pool", "replica"],
         )  # fmt: skip
+        ingest = CounterMetricFamily(
+            "kvrouter_ingest_errors",
+            "Refused events and ingest problems that made a replica untrusted, by reason",
+            labels=["pool", "replica", "reason"],
+        )
         for pool in self._snapshot():
             name = pool["pool"]
             entries.add_metric([name], pool["entries"])
@@ -64,6 +69,8 @@ class _StateCollector(Collector):
             for rs in pool["replica_stats"]:
                 rep = f"{rs.replica}/dp{rs.dp_rank}"
                 trusted.add_metric([name, rep], 1.0 if rs.trusted else 0.0)
+                for reason, n in rs.ingest_errors.items():
+                    ingest.add_metric([name, rep, reason], n)
                 for outcome in (
                     "stored_blocks",
                     "removed_blocks",
@@ -78,7 +85,7 @@ class _StateCollector(Collector):
                     lag.add_metric([stream], st.lag_s)
                 for kind in ("gaps", "replays", "unrecoverable_gaps", "resets", "malformed"):
                     gaps.add_metric([stream, kind], getattr(st, kind))
-        yield from (entries, nbytes, events, outcomes, lag, gaps, trusted)
+        yield from (entries, nbytes, events, outcomes, lag, gaps, trusted, ingest)
 
 
 class RouterMetrics:

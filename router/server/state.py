@@ -21,7 +21,7 @@ import httpx
 from events.stream import StreamSpec, StreamStats
 from events.subscriber import AsyncSubscriber, SubscriberError
 from router.config import PoolConfig, ReplicaConfig, RouterConfig
-from router.core.index import IndexLimits, KVIndex, ReplicaKey
+from router.core.index import KVIndex, ReplicaKey
 from router.core.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
 from router.core.predict import Prediction, Predictor, body_request_keys
 from router.core.speculative import SpeculativeOverlay
@@ -115,7 +115,7 @@ class PoolState:
         self.router = router
         self.name = cfg.model
         self.index = KVIndex(
-            cfg.layout, limits=IndexLimits(max_bytes=router.config.index.max_bytes), pool=cfg.model
+            cfg.layout, limits=router.config.index.limits(), pool=cfg.model
         )
         self.predictor = Predictor(self.index)
         self.speculative: SpeculativeOverlay | None = None
