@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import tracemalloc
 
-from test_index import FA_SWA, A, B, make, present, removed, stored
+from test_index import LEARN, A, B, make, present, removed, stored
 
 from events.schema import AllBlocksCleared, BlockStored, DecodedBatch
 from events.stream import StreamBatch
@@ -101,7 +101,7 @@ def test_out_of_range_group_idx_is_refused_without_allocating() -> None:
 def test_huge_block_size_is_refused_and_not_learned() -> None:
     """With the layout learned from events, one store announcing a 2**20-token block used to
     become the pool's block size, and every replica then predicted 0."""
-    index = make(layout=FA_SWA.__class__(groups=()))
+    index = make(layout=LEARN)
     index.apply_events(B, [stored([1, 2])])
     index.apply_events(A, [stored([3], block_size=1 << 20)])
     assert errors(index, A) == {"refused_block_size": 1} and not trusted(index, A)
@@ -149,3 +149,46 @@ def test_ingest_errors_are_exported_per_replica_and_reason() -> None:
         in text
     )
     assert 'replica="B/dp0"' not in text.split("kvrouter_ingest_errors_total")[-1]
+
+
+LEARN3 = [("full_attention", 16), ("sliding_window", 16)]
+
+
+def hybrid_batch(base: int) -> list:
+    return [stored([base, base + 1]), stored([base + 1], group=1, kind="sliding_window")]
+
+
+def test_one_replicas_stray_group_does_not_unresolve_the_learned_layout() -> None:
+    """With groups learned from events, a store at group_idx 3 (a gap) used to unresolve the
+    pool's layout, and every replica then predicted 0 while still trusted."""
+    index = make(layout=LEARN)
+    index.apply_events(A, hybrid_batch(100))
+    before = index.layout
+    assert before is not None and [g.kind for g in before.layout.groups] == [k for k, _ in LEARN3]
+    index.apply_events(B, [*hybrid_batch(200), stored([9], group=3)])
+    assert index.layout is before, "the pool's layout stays the source replica's"
+    assert trusted(index, A) and trusted(index, B), "running ahead is not a contradiction"
+    assert present(index, B, 0, 200) and present(index, B, 3, 9)
+
+
+def test_a_replica_contradicting_the_learned_layout_is_quarantined_alone() -> None:
+    index = make(layout=LEARN)
+    index.apply_events(A, hybrid_batch(100))
+    before = index.layout
+    index.apply_events(
+        B, [stored([1], group=1, kind="sliding_window", kv_cache_spec_sliding_window=8)]
+    )
+    assert not trusted(index, B) and "sliding_window" in (index.untrusted_reason(B) or "")
+    assert errors(index, B) == {"layout_conflict": 1}
+    index.apply_events(B, [stored([2], block_size=32)])  # a bigger block than A showed in full
+    assert index.layout is before and trusted(index, A)
+
+
+def test_the_source_replica_extends_the_learned_layout() -> None:
+    """The first replica's first store can be partial and its window group can come later."""
+    index = make(layout=LEARN)
+    index.apply_events(A, [stored([1], block_size=8)])
+    assert index.layout is not None and index.layout.layout.groups[0].block_size == 8
+    index.apply_events(A, hybrid_batch(100))
+    groups = index.layout.layout.groups
+    assert [(g.kind, g.block_size) for g in groups] == LEARN3 and trusted(index, A)

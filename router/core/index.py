@@ -168,6 +168,8 @@ class _Replica:
     """Keys this replica holds (all tiers and groups), kept as events apply so stats are O(1)."""
     extra: int = 0
     """Physical copies beyond the first, likewise."""
+    learned: dict[int, GroupSpec] = field(default_factory=dict)
+    """This replica's own view of the groups (learned mode): kind, window, largest block."""
     ingest_errors: dict[str, int] = field(default_factory=dict)
     warned: dict[str, float] = field(default_factory=dict)
     """Last warning time per reason label (the rate limit of IndexLimits.warn_interval_s)."""
@@ -274,6 +276,8 @@ class KVIndex:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._learned: dict[int, GroupSpec] = {}
+        """The pool's learned groups, adopted from one replica's complete view (_agree)."""
+        self._layout_source: int | None = None
         self._resolved: ResolvedLayout | None = resolve(layout) if layout.groups else None
         self.entries = 0
         self.extra_entries = 0
@@ -302,6 +306,8 @@ class KVIndex:
             rep = self._replicas.pop(key)
             self._wipe(rep)
             self._free_slots.append(rep.slot)
+            if self._layout_source == rep.slot:
+                self._layout_source = None  # the slot may be reused by another replica
 
     def replicas(self) -> list[ReplicaKey]:
         return list(self._replicas)
@@ -388,33 +394,74 @@ class KVIndex:
             )
         if ev.block_size <= 0:
             return None  # a placeholder (connector) event says nothing about the group
-        known = self._learned.get(g)
-        if known is None or ev.block_size > known.block_size:
-            if known is not None and (known.kind != kind or known.sliding_window != window):
-                return str(
-                    LayoutConflict("kv_cache_spec_kind", known.kind.value, kind.value, where())
-                )
-            self._learned[g] = GroupSpec(kind=kind, block_size=ev.block_size, sliding_window=window)
-            self._relearn(where())
-            return None
-        if known.kind != kind:
+        have = self._learned.get(g)
+        if have is not None and (have.kind != kind or have.sliding_window != window):
+            if have.kind != kind:
+                return str(LayoutConflict("kv_cache_spec_kind", have.kind.value, kind, where()))
+            return str(LayoutConflict("sliding_window", have.sliding_window, window, where()))
+        own = rep.learned
+        known = own.get(g)
+        if known is not None and known.kind != kind:
             return str(LayoutConflict("kv_cache_spec_kind", known.kind.value, kind.value, where()))
-        if known.sliding_window != window:
+        if known is not None and known.sliding_window != window:
             return str(LayoutConflict("sliding_window", known.sliding_window, window, where()))
+        if known is None or ev.block_size > known.block_size:
+            own[g] = GroupSpec(kind=kind, block_size=ev.block_size, sliding_window=window)
+            return self._agree(rep, where())
         return None
 
-    def _relearn(self, where: str) -> None:
-        n = max(self._learned) + 1
-        if len(self._learned) != n:
-            self._resolved = None  # a gap in group indices: wait for the missing groups
-            return
-        groups = tuple(self._learned[i] for i in range(n))
-        layout = msgspec.structs.replace(self.declared, groups=groups)
+    def _agree(self, rep: _Replica, where: str) -> str | None:
+        """Fit one replica's newly learned view into the pool's layout (learned mode only).
+
+        The pool's layout follows one *source*: the first replica whose view (groups ``0..n-1``,
+        no gap) resolves; that replica's later groups and larger blocks extend it (a first
+        store can be partial, a group can appear later). Any other replica may run ahead of
+        the pool (its extra groups are held, never adopted) but must not contradict it: the
+        same kinds and windows, no block larger than the pool's. A contradiction is returned
+        as a conflict (the caller quarantines that replica) and the pool is left as it was, so
+        one replica's events never make the others predict 0.
+        """
+        own, pool = rep.learned, self._learned
+        for g, spec in own.items():
+            have = pool.get(g)
+            if have is None:
+                continue
+            if spec.kind != have.kind:
+                return str(LayoutConflict("kv_cache_spec_kind", have.kind.value, spec.kind, where))
+            if spec.sliding_window != have.sliding_window:
+                return str(
+                    LayoutConflict(
+                        "sliding_window", have.sliding_window, spec.sliding_window, where
+                    )
+                )
+            if spec.block_size > have.block_size and not self._may_grow(rep, g, have):
+                return str(LayoutConflict("block_size", have.block_size, spec.block_size, where))
+        source = self._layout_source
+        if source is not None and source != rep.slot:
+            return None  # only the source moves the pool's layout
+        n = max(own) + 1
+        if len(own) != n or n < len(pool):
+            return None  # a gap in this view: wait for its missing groups
+        layout = msgspec.structs.replace(self.declared, groups=tuple(own[i] for i in range(n)))
         try:
-            self._resolved = resolve(layout)
+            resolved = resolve(layout)
         except LayoutError as exc:
             log.warning("%s: learned layout not usable yet: %s", where, exc)
-            self._resolved = None
+            return None
+        self._learned = dict(own)
+        self._resolved = resolved
+        self._layout_source = rep.slot
+        return None
+
+    def _may_grow(self, rep: _Replica, g: int, have: GroupSpec) -> bool:
+        """A learned block size grows only when it was learned from ``rep`` itself (its first
+        store was partial) and no other replica has stored a full block of the old size."""
+        if rep.slot != self._layout_source:
+            return False
+        return not any(
+            o is not rep and (s := o.learned.get(g)) is not None and s.block_size == have.block_size
+            for o in self._replicas.values()
+        )
 
     # ------------------------------------------------------------------ ingest
 
@@ -674,6 +721,7 @@ class KVIndex:
         self._wipe(rep)
         rep.counters["resets"] += 1
         rep.group_aware = None
+        rep.learned = {}  # it may come back with other flags: its view is learned anew
         if rep.recoverable:
             rep.trusted, rep.untrusted_reason = True, None
         self.generation += 1
