@@ -33,6 +33,7 @@ from events.layout import GroupKind, GroupSpec, LayoutError, ModelLayout, Resolv
 from router.core.hybrid import (
     HitInputError,
     HitResult,
+    blocks_behind_hit,
     chunked_local_hit,
     find_longest_cache_hit,
     full_attention_hit,
@@ -685,3 +686,39 @@ def test_differential_against_vllm() -> None:
             # vLLM 0.32 returns (blocks per group, hit length in tokens)
             _blocks, hit = res
             assert hit == ours, (manager.__name__, n, sorted(held))
+
+
+# ---------------------------------------------------------------------------------------------
+# blocks_behind_hit: what a reported hit proves (inference on partial replicas).
+
+
+@PROPS
+@given(cases(eagle=False))
+def test_blocks_behind_a_hit_are_held_and_suffice(case) -> None:
+    """Every key it names was in the cache (never invented), and those keys alone give the
+    same hit under the independent declarative reference."""
+    lay, num_tokens, present = case
+    assume(_declarative_family(lay))
+    nh = num_tokens // lay.hash_block_size
+    got = find_longest_cache_hit(lay, num_tokens, Pool(present, nh).has).hit_tokens
+    behind = blocks_behind_hit(lay, got)
+    assume(behind is not None)
+    assert all(i in present.get(g, ()) for g, i in behind)
+    only: dict[int, set[int]] = {}
+    for g, i in behind:
+        only.setdefault(g, set()).add(i)
+    assert reference_hit(lay, num_tokens, Pool(only, nh).has) == got
+
+
+def test_blocks_behind_hand_worked() -> None:
+    """FA 16 + SWA 16 (window 64: ceil(63 / 16) = 4 blocks), H = 16, hit 160 tokens: FA
+    blocks 0..9, SWA blocks 6..9. FA 32 + Mamba 32 at hit 64: FA blocks 0, 1 and Mamba block 1."""
+    lay = resolve(ModelLayout((FA16, SWA16)))
+    want = [(0, j) for j in range(10)] + [(1, j) for j in (6, 7, 8, 9)]
+    assert blocks_behind_hit(lay, 160) == want
+    assert blocks_behind_hit(lay, 0) == []
+    mamba = resolve(ModelLayout((GroupSpec(K.FULL_ATTENTION, 32), GroupSpec(K.MAMBA, 32))))
+    assert blocks_behind_hit(mamba, 64) == [(0, 0), (0, 1), (1, 1)]
+    assert blocks_behind_hit(mamba, 48) is None  # not a multiple of the blocks
+    fine = resolve(ModelLayout((FA16, GroupSpec(K.MAMBA, 32))))
+    assert fine.partial_hits and blocks_behind_hit(fine, 64) is None  # not the plain rule

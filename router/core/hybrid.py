@@ -36,6 +36,7 @@ __all__ = [
     "HitInputError",
     "HitResult",
     "Presence",
+    "blocks_behind_hit",
     "chunked_local_hit",
     "find_longest_cache_hit",
     "finder_for",
@@ -478,3 +479,42 @@ def group_blind_hit(
             idx += k
     hit = n * b
     return hit - hit % layout.alignment
+
+
+def blocks_behind_hit(layout: ResolvedLayout, hit_tokens: int) -> list[tuple[int, int]] | None:
+    """The ``(group_idx, fine_idx)`` keys a replica must hold for vLLM to report a hit of
+    ``hit_tokens`` (spec §4.4): what an answer proves about a cache no event described.
+
+    Per kind: full attention every block up to the hit; sliding window the ``ceil((window -
+    1) / B)`` blocks ending there; chunked local the blocks of the hit's chunk before it (none
+    at a chunk boundary); Mamba the state block ending there. Block ``j`` of a group with block
+    size ``B`` is fine index ``(j + 1) * B / H - 1``. None when the layout's rule is not this
+    plain one (EAGLE drops, fine-grained partial hits) or the hit is not a multiple of a
+    group's block: nothing is inferred then.
+    """
+    if hit_tokens <= 0:
+        return []
+    if layout.partial_hits:
+        return None
+    h = layout.hash_block_size
+    out: list[tuple[int, int]] = []
+    for sg in layout.spec_groups:
+        spec = sg.spec
+        b = spec.block_size
+        if spec.eagle or hit_tokens % b:
+            return None
+        end = hit_tokens // b
+        if spec.kind in FA_TYPE_KINDS:
+            first = 0
+        elif spec.kind in SLIDING_KINDS:
+            first = max(0, end - max(1, -(-((spec.sliding_window or 1) - 1) // b)))
+        elif spec.kind == GroupKind.CHUNKED_LOCAL_ATTENTION and spec.attention_chunk_size:
+            chunk = spec.attention_chunk_size
+            first = hit_tokens // chunk * chunk // b  # the scan starts at the hit's chunk
+        elif spec.kind == GroupKind.MAMBA:
+            first = end - 1
+        else:
+            return None
+        k = b // h
+        out.extend((g, (j + 1) * k - 1) for g in sg.group_ids for j in range(first, end))
+    return out

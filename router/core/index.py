@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 
@@ -62,6 +63,7 @@ __all__ = [
     "LayoutConflict",
     "ReplicaKey",
     "ReplicaStats",
+    "Trust",
     "UnknownReplica",
 ]
 
@@ -69,6 +71,9 @@ log = logging.getLogger(__name__)
 
 #: Storage tiers, GPU first. An event with no medium (old producers) is a GPU event.
 TIERS = ("GPU", "CPU", "STORAGE")
+
+#: How far a replica's indexed state can be believed (KVIndex.trust).
+Trust = Literal["exact", "partial", "untrusted"]
 
 #: A routing target: a replica name and a DP rank (each rank is its own cache, §6.7).
 ReplicaKey = tuple[str, int]
@@ -146,7 +151,12 @@ class ReplicaStats(msgspec.Struct):
     conformance_checked: int
     conformance_mismatches: int
     conformance_skipped: int
+    late_attaches: int
+    inferred_blocks: int
     group_aware: bool | None
+    trust: str = "exact"
+    """``exact``, ``partial`` or ``untrusted`` (KVIndex.trust)."""
+    partial_reason: str | None = None
     ingest_errors: dict[str, int] = {}
     """Refused events and ingest failures by reason (``kvrouter_ingest_errors_total``)."""
 
@@ -159,6 +169,8 @@ class _Replica:
     bit: int
     trusted: bool = True
     untrusted_reason: str | None = None
+    partial_reason: str | None = None
+    """Set while the replica is partial (see KVIndex.trust)."""
     recoverable: bool = True
     """Whether a known state (a clear or a restart) makes the replica trusted again: true
     for lost events, false for wrong settings, which only a config fix cures."""
@@ -187,6 +199,8 @@ class _Replica:
                 "conformance_checked",
                 "conformance_mismatches",
                 "conformance_skipped",
+                "late_attaches",
+                "inferred_blocks",
             ),
             0,
         )
@@ -322,7 +336,21 @@ class KVIndex:
         return self._replica(key).bit
 
     def is_trusted(self, key: ReplicaKey) -> bool:
+        """Routed on its state: exact or partial (a partial state predicts a lower bound)."""
         return self._replica(key).trusted
+
+    def trust(self, key: ReplicaKey) -> Trust:
+        """``exact``: every event since the replica's start applied; ``partial``: attached
+        after the replay ring had dropped its start, so blocks stored before are unknown
+        (predictions are a lower bound, and grow as vLLM's answers teach the index);
+        ``untrusted``: events lost mid-stream or wrong settings (predicts 0)."""
+        rep = self._replica(key)
+        if not rep.trusted:
+            return "untrusted"
+        return "partial" if rep.partial_reason is not None else "exact"
+
+    def partial_reason(self, key: ReplicaKey) -> str | None:
+        return self._replica(key).partial_reason
 
     def untrusted_reason(self, key: ReplicaKey) -> str | None:
         return self._replica(key).untrusted_reason
@@ -587,6 +615,7 @@ class KVIndex:
                     self._wipe(rep)
                     entries, held = self.entries, 0
                     counters["clears"] += 1
+                    rep.partial_reason = None  # an empty cache is fully known
                     if not rep.trusted and rep.recoverable:
                         # A reset is a known state: the stream is usable again (§5.4).
                         rep.trusted, rep.untrusted_reason = True, None
@@ -722,9 +751,55 @@ class KVIndex:
         rep.counters["resets"] += 1
         rep.group_aware = None
         rep.learned = {}  # it may come back with other flags: its view is learned anew
+        rep.partial_reason = None  # it restarted empty: nothing unknown
         if rep.recoverable:
             rep.trusted, rep.untrusted_reason = True, None
         self.generation += 1
+
+    def attached_late(self, key: ReplicaKey, detail: str) -> None:
+        """The stream's first batches are gone from the replica's replay ring (the router
+        attached to a replica that has run for a while). What the ring still holds is applied
+        next; blocks stored before it are unknown, so the replica is *partial*: routed on, its
+        hit a lower bound, exact again after an ``AllBlocksCleared`` or a restart. Unlike a
+        gap in mid-stream, nothing known is lost: a block removed before attach is simply not
+        in the index, and one removed after arrives as an event."""
+        rep = self._replica(key)
+        rep.counters["late_attaches"] += 1
+        if rep.trusted and rep.partial_reason is None:
+            rep.partial_reason = (
+                f"attached late ({detail}): blocks cached before are unknown until vLLM's "
+                f"answers show them or the replica's prefix cache is reset"
+            )
+            log.info(
+                "pool %r replica %s/dp%d partial: %s", self.pool, rep.name, rep.dp_rank, detail
+            )
+            self.generation += 1
+
+    def infer(self, key: ReplicaKey, keys: Iterable[tuple[int, object]]) -> int:
+        """Record ``(group, wire hash)`` keys vLLM's answer proved the replica holds (its
+        reported ``cached_tokens`` needed them) but no event showed: blocks cached before a
+        late attach. They are held like any stored key, so a ``BlockRemoved`` retires them.
+        Returns how many were new."""
+        rep = self._replica(key)
+        tier = self._tiers["GPU"]
+        bit = rep.bit
+        added = 0
+        for g, h in keys:
+            if not 0 <= g < self.limits.max_groups:
+                continue
+            table, _ = tier.group(g)
+            m = table.get(h, 0)
+            if m & bit:
+                continue
+            if not m:
+                self.entries += 1
+            table[h] = m | bit
+            rep.blocks += 1
+            added += 1
+        rep.counters["inferred_blocks"] += added
+        if added:
+            self.generation += 1
+        return added
 
     def lost_events(self, key: ReplicaKey, detail: str) -> None:
         """Events were lost and replay could not cover them (§3, §5.4).
@@ -853,6 +928,8 @@ class KVIndex:
                     extra_copies=rep.extra,
                     group_aware=rep.group_aware,
                     ingest_errors=dict(rep.ingest_errors),
+                    trust=self.trust((rep.name, rep.dp_rank)),
+                    partial_reason=rep.partial_reason,
                     **rep.counters,
                 )
             )

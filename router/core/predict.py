@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 
 from events.hashing import BlockHasher, LazyChain, RequestKeys
 from events.layout import ResolvedLayout
-from router.core.hybrid import HitResult, find_longest_cache_hit, group_blind_hit
+from router.core.hybrid import (
+    HitResult,
+    blocks_behind_hit,
+    find_longest_cache_hit,
+    group_blind_hit,
+)
 from router.core.index import KVIndex, ReplicaKey
 
 __all__ = ["Prediction", "Predictor", "ReplicaHit", "body_request_keys"]
@@ -40,6 +45,14 @@ class ReplicaHit:
     """What a group-blind router would predict from the same state (when asked for)."""
     tier_hits: dict[str, int] = field(default_factory=dict)
     """Hybrid hits computed on the lower tiers (CPU, STORAGE) alone, where events exist."""
+    partial_reason: str | None = None
+    """Set when the replica is partial: ``hit_tokens`` is then a lower bound."""
+
+    @property
+    def trust(self) -> str:
+        if not self.trusted:
+            return "untrusted"
+        return "partial" if self.partial_reason is not None else "exact"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +84,9 @@ class Prediction:
                 "dp_rank": r.replica[1],
                 "hit_tokens": r.hit_tokens,
                 "trusted": r.trusted,
+                "trust": r.trust,
                 "untrusted_reason": r.untrusted_reason,
+                "partial_reason": r.partial_reason,
                 "group_blind_hit_tokens": r.blind_hit_tokens,
                 "tier_hits": r.tier_hits,
             }
@@ -189,6 +204,21 @@ class Predictor:
         """The index's block hasher (None until the layout is known)."""
         return self.index.hasher()
 
+    def keys_behind(
+        self, token_ids: Sequence[int], keys: RequestKeys | None, hit_tokens: int
+    ) -> list[tuple[int, object]]:
+        """The ``(group, wire hash)`` keys a replica holds if vLLM reported a hit of
+        ``hit_tokens`` for this request (:func:`router.core.hybrid.blocks_behind_hit`); empty
+        when the layout is unknown or its rule proves nothing simple."""
+        layout, hasher = self.index.layout, self.hasher()
+        if layout is None or hasher is None or hit_tokens > len(token_ids):
+            return []
+        fine = blocks_behind_hit(layout, hit_tokens)
+        if not fine:
+            return []
+        chain = hasher.lazy_chain(token_ids, keys)
+        return [(g, chain.wire(i)) for g, i in fine if i < len(chain)]
+
     def predict(
         self,
         token_ids: Sequence[int],
@@ -279,7 +309,18 @@ class Predictor:
                 ).hit_tokens
                 for t, m in lower
             }
-            out.append(ReplicaHit(r, res.hit_tokens, True, None, res, blind_hit, tier_hits))
+            out.append(
+                ReplicaHit(
+                    r,
+                    res.hit_tokens,
+                    True,
+                    None,
+                    res,
+                    blind_hit,
+                    tier_hits,
+                    index.partial_reason(r),
+                )
+            )
         return Prediction(n, chain.hashed, layout, tuple(out))
 
 

@@ -128,6 +128,9 @@ class _View:
     def untrusted_reason(self, key: ReplicaKey) -> str | None:
         return self._index.untrusted_reason(key)
 
+    def partial_reason(self, key: ReplicaKey) -> str | None:
+        return self._index.partial_reason(key)
+
     def slot_bit(self, key: ReplicaKey) -> int:
         return self._index.slot_bit(key)
 

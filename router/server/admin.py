@@ -77,7 +77,9 @@ def admin_router(state: RouterState) -> APIRouter:
             for rep in p.replicas.values():
                 d = rep.as_dict()
                 d["pool"] = p.name
-                d["trusted"] = {f"dp{k[1]}": trust[k].trusted for k in trust if k[0] == rep.name}
+                mine = [k for k in trust if k[0] == rep.name]
+                d["trusted"] = {f"dp{k[1]}": trust[k].trusted for k in mine}
+                d["trust"] = {f"dp{k[1]}": trust[k].trust for k in mine}
                 out.append(d)
         return {"replicas": out}
 
@@ -244,6 +246,9 @@ def admin_router(state: RouterState) -> APIRouter:
                             "stream_stats": msgspec.to_builtins(st) if st else None,
                             "trusted": rs.trusted if rs else None,
                             "untrusted_reason": rs.untrusted_reason if rs else None,
+                            "trust": rs.trust if rs else None,
+                            "partial_reason": rs.partial_reason if rs else None,
+                            "inferred_blocks": rs.inferred_blocks if rs else None,
                             "hash_conformance": (
                                 {
                                     "checked": rs.conformance_checked,

@@ -5,7 +5,9 @@ Every item the event SDK delivers maps to one index operation (spec §3, §5.4):
 =====================  =================================================================
 ``StreamBatch``        apply its events in order to the stream's replica and DP rank
 ``StreamReset``        the replica restarted empty (vLLM sends nothing for it): wipe, trusted
-``GapUnrecoverable``   events lost for good: wipe and distrust until a known state returns
+``GapUnrecoverable``   events lost for good: wipe and distrust until a known state returns;
+                       but a gap from seq 0 before anything was applied is a late attach
+                       (the ring dropped the replica's start): the replica is *partial*
 ``MalformedMessage``   a batch that could not be read is a lost batch: same as a gap
 ``RankMismatch``       the batch belonged to another rank's cache and was dropped: same
 =====================  =================================================================
@@ -52,6 +54,8 @@ class IndexFeeder:
     def __init__(self, index: KVIndex, streams: Mapping[str, ReplicaKey]) -> None:
         self.index = index
         self.streams = dict(streams)
+        self._started: set[str] = set()
+        """Streams that have delivered anything: after that a gap is a loss, not an attach."""
         for name, dp_rank in self.streams.values():
             index.add_replica(name, dp_rank)
 
@@ -61,7 +65,13 @@ class IndexFeeder:
         except KeyError:
             raise UnknownStream(item.stream) from None
         cls = type(item)
-        if cls is StreamBatch:
+        first = item.stream not in self._started
+        self._started.add(item.stream)
+        if cls is GapUnrecoverable and first and item.expected == 0:
+            self.index.attached_late(
+                key, f"the replay ring starts at batch {item.got}, not 0 ({item.reason})"
+            )
+        elif cls is StreamBatch:
             try:
                 self.index.apply_events(key, item.batch.events)
             except Exception as exc:  # one replica's bad batch never stops its stream

@@ -57,6 +57,11 @@ class _StateCollector(Collector):
             "kvrouter_replica_trusted", "1 if the replica's cache state is trusted",
             labels=["pool", "replica"],
         )  # fmt: skip
+        trust_state = GaugeMetricFamily(
+            "kvrouter_replica_trust",
+            "1 for the replica's trust state: exact, partial (a lower bound) or untrusted",
+            labels=["pool", "replica", "state"],
+        )
         ingest = CounterMetricFamily(
             "kvrouter_ingest_errors",
             "Refused events and ingest problems that made a replica untrusted, by reason",
@@ -69,6 +74,8 @@ class _StateCollector(Collector):
             for rs in pool["replica_stats"]:
                 rep = f"{rs.replica}/dp{rs.dp_rank}"
                 trusted.add_metric([name, rep], 1.0 if rs.trusted else 0.0)
+                for st in ("exact", "partial", "untrusted"):
+                    trust_state.add_metric([name, rep, st], 1.0 if rs.trust == st else 0.0)
                 for reason, n in rs.ingest_errors.items():
                     ingest.add_metric([name, rep, reason], n)
                 for outcome in (
@@ -76,6 +83,7 @@ class _StateCollector(Collector):
                     "removed_blocks",
                     "unknown_removals",
                     "conformance_mismatches",
+                    "inferred_blocks",
                 ):
                     outcomes.add_metric([name, rep, outcome], getattr(rs, outcome))
             for stream, st in pool["stream_stats"].items():
@@ -85,7 +93,7 @@ class _StateCollector(Collector):
                     lag.add_metric([stream], st.lag_s)
                 for kind in ("gaps", "replays", "unrecoverable_gaps", "resets", "malformed"):
                     gaps.add_metric([stream, kind], getattr(st, kind))
-        yield from (entries, nbytes, events, outcomes, lag, gaps, trusted, ingest)
+        yield from (entries, nbytes, events, outcomes, lag, gaps, trusted, trust_state, ingest)
 
 
 class RouterMetrics:

@@ -363,6 +363,13 @@ class Proxy:
         if err == 0:
             metrics.prediction_exact.labels(label).inc()
             return
+        if actual > predicted and hit.partial_reason is not None and choice.token_ids:
+            # A partial replica under-predicts what it cached before the router attached;
+            # its answer says which blocks it holds.
+            try:
+                choice.pool.learn_from_answer(key, choice.token_ids, choice.body or {}, actual)
+            except Exception:  # learning is an optimisation: never fail the response for it
+                log.exception("could not learn from %s's cached_tokens", label)
         row = next(
             (r for r in pred.as_dict()["replicas"] if (r["replica"], r["dp_rank"]) == key), {}
         )
