@@ -432,6 +432,12 @@ class StreamProcessor:
             self._malformed(a.seq, str(exc), a.replayed, out)
             stats.last_seq = a.seq
             return
+        except Exception as exc:
+            # decode_batch raises nothing else, but a custom ``decode`` may, and a payload
+            # must never stop the stream: whatever decoding raises is this message's fault.
+            self._malformed(a.seq, f"{type(exc).__name__}: {exc}", a.replayed, out)
+            stats.last_seq = a.seq
+            return
         want = self.spec.dp_rank
         got = batch.data_parallel_rank
         if want is not None and got is not None and got != want:

@@ -335,6 +335,38 @@ def test_processor_counts_everything() -> None:
     assert st_.last_seq == 3 and st_.lag_s == pytest.approx(4.0) and st_.gaps == 0
 
 
+def test_processor_turns_any_decode_exception_into_malformed() -> None:
+    """Whatever decoding raises (not only BatchDecodeError) costs one counted message."""
+
+    def decode(raw: bytes) -> Any:
+        if raw.startswith(b"boom"):
+            raise UnicodeDecodeError("utf-8", raw, 0, 1, "invalid start byte")
+        if raw.startswith(b"bug"):
+            raise RuntimeError("a decoder bug")
+        return decode_batch(raw)
+
+    p = StreamProcessor(StreamSpec("a", "tcp://h:1"), decode=decode)
+    out: list[Any] = []
+    p.on_live([b"", SEQ.pack(0), payload()], 1.0, out)
+    p.on_live([b"", SEQ.pack(1), b"boom"], 1.0, out)
+    p.on_live([b"", SEQ.pack(2), b"bug"], 1.0, out)
+    non_utf8 = encode_batch(KVEventBatch(1.0, [removed(7), removed(8)], 0))
+    non_utf8 = non_utf8.replace(b"GPU", b"\xff\xfeU", 1)
+    p.on_live([b"", SEQ.pack(3), non_utf8], 1.0, out)
+    assert [type(i).__name__ for i in out] == [
+        "StreamBatch",
+        "MalformedMessage",
+        "MalformedMessage",
+        "StreamBatch",
+    ]
+    assert out[1].seq == 1 and "UnicodeDecodeError" in out[1].reason
+    assert out[2].seq == 2 and "RuntimeError" in out[2].reason
+    assert out[3].batch.unknown == 1 and out[3].batch.events[1] == removed(8)
+    st_ = p.stats
+    assert (st_.malformed, st_.batches, st_.unknown_events, st_.last_seq) == (2, 2, 1, 3)
+    assert st_.gaps == 0
+
+
 def valid_events(rng: random.Random) -> list[Any]:
     evs: list[Any] = []
     for _ in range(rng.randint(0, 4)):
