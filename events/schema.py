@@ -126,8 +126,16 @@ class LazyTokensBlockStored(BlockStored, tag="BlockStored"):
     token_ids: msgspec.Raw | UnsetType = UNSET  # type: ignore[assignment]
 
     def tokens(self) -> list[int]:
+        """The token ids, decoded now. Their bytes were not checked when the batch was, so
+        a hostile list shows here: :class:`EventDecodeError` (a ``ValueError``), whatever
+        the bytes hold, and never another exception type."""
         raw = self.token_ids
-        return _tokens_decoder.decode(raw) if isinstance(raw, msgspec.Raw) else list(raw)
+        if not isinstance(raw, msgspec.Raw):
+            return list(raw)
+        try:
+            return _tokens_decoder.decode(raw)
+        except Exception as exc:
+            raise EventDecodeError(f"token_ids: {_describe(exc)}") from None
 
 
 class BlockRemoved(_Event):
@@ -225,7 +233,8 @@ class BatchDecodeError(ValueError):
 
 
 class EventDecodeError(ValueError):
-    """One event could not be decoded; carried inside :class:`UnknownEvent`."""
+    """One event's field could not be decoded: raised by
+    :meth:`LazyTokensBlockStored.tokens` when the token bytes it decodes late are bad."""
 
 
 class _TypedBatch(msgspec.Struct, array_like=True, gc=False):
@@ -282,13 +291,18 @@ def decode_batch(payload: bytes | memoryview, *, lazy_token_ids: bool = False) -
         return _decode_per_event(payload)
     except msgspec.DecodeError as exc:
         raise BatchDecodeError(f"not a KV-event batch: {exc}") from None
+    except Exception:
+        # Not a msgspec error but still the payload's fault: a string that is not UTF-8
+        # (UnicodeDecodeError) or nesting too deep (RecursionError). Which event it is in is
+        # unknown here, so the salvage path finds it (or calls the envelope broken).
+        return _decode_per_event(payload)
     events = typed.events
     legacy = 0
     for i, ev in enumerate(events):
         if type(ev) is list:
             try:
                 events[i] = _canonical(msgspec.convert(ev, _LegacyEvent))
-            except msgspec.ValidationError:
+            except Exception:  # ValidationError, or anything else a hostile event causes
                 return _decode_per_event(payload)
             legacy += 1
     return DecodedBatch(typed.ts, events, typed.data_parallel_rank, 0, legacy)
@@ -298,14 +312,16 @@ def _decode_per_event(payload: bytes | memoryview) -> DecodedBatch:
     """The salvage path: sniff and decode every event alone, keeping the undecodable ones."""
     try:
         raw = _batch_decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BatchDecodeError(f"not a KV-event batch: {exc}") from None
+    except Exception as exc:
+        # Any decode failure of the envelope (msgspec's errors, RecursionError, ...) is one
+        # thing to the caller: this is not a batch. Only BatchDecodeError may leave here.
+        raise BatchDecodeError(f"not a KV-event batch: {_describe(exc)}") from None
     events: list[BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent] = []
     unknown = legacy = 0
     map_decode = _map_decoder.decode
     for i, ev in enumerate(raw.events):
-        first = memoryview(ev)[0]
         try:
+            first = memoryview(ev)[0]
             if first in _MAP_FIRST:
                 events.append(map_decode(ev))
                 continue
@@ -314,11 +330,20 @@ def _decode_per_event(payload: bytes | memoryview) -> DecodedBatch:
                 legacy += 1
                 continue
             error = f"event is msgpack type byte 0x{first:02x}, expected a map or an array"
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            error = str(exc)
+        except Exception as exc:
+            # Whatever one event's bytes cause (a ValidationError, a non-UTF-8 string's
+            # UnicodeDecodeError, a RecursionError), it costs that event only.
+            error = _describe(exc)
         events.append(UnknownEvent(i, error, bytes(ev)))
         unknown += 1
     return DecodedBatch(raw.ts, events, raw.data_parallel_rank, unknown, legacy)
+
+
+def _describe(exc: BaseException) -> str:
+    """msgspec's messages stand alone; others (``UnicodeDecodeError``) need their type."""
+    if isinstance(exc, msgspec.MsgspecError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def encode_batch(batch: KVEventBatch, *, legacy: bool = False) -> bytes:

@@ -177,6 +177,10 @@ class StreamStats(msgspec.Struct):
     rank_mismatches: int = 0
     ignored_replayed: int = 0
     """Replayed batches not needed (already applied, or covered by held live ones)."""
+    disconnects: int = 0
+    """Times the connection to a publisher the subscriber connects to dropped: a publisher
+    restart, the network, or a frame over ``max_message_bytes`` (libzmq drops the
+    connection rather than allocate it). The subscriber reconnects; what was lost is a gap."""
     consumer_errors: int = 0
     """Exceptions raised by the consumer's callback (logged, then delivery goes on)."""
     last_seq: int | None = None
@@ -350,6 +354,9 @@ class StreamProcessor:
             decode = functools.partial(decode_batch, lazy_token_ids=spec.lazy_token_ids)
         self._decode = decode
         self._outputs: list[Output] = []
+        self.replay_replies = 0
+        """Well-formed replay replies read so far (batches and end markers, used or not):
+        the socket layer's sign that a replay is progressing (its deadline is an idle one)."""
 
     @property
     def replaying(self) -> bool:
@@ -383,6 +390,7 @@ class StreamProcessor:
             self._malformed(None, _replay_frame_error(frames), True, out)
             return None
         seq = _SEQ.unpack(frames[2])[0]
+        self.replay_replies += 1
         outputs = self._outputs
         if seq == END_SEQ and frames[3] == b"":
             start = self.sequencer.replay_done(outputs)
@@ -430,6 +438,12 @@ class StreamProcessor:
             batch = self._decode(a.payload)
         except BatchDecodeError as exc:
             self._malformed(a.seq, str(exc), a.replayed, out)
+            stats.last_seq = a.seq
+            return
+        except Exception as exc:
+            # decode_batch raises nothing else, but a custom ``decode`` may, and a payload
+            # must never stop the stream: whatever decoding raises is this message's fault.
+            self._malformed(a.seq, f"{type(exc).__name__}: {exc}", a.replayed, out)
             stats.last_seq = a.seq
             return
         want = self.spec.dp_rank

@@ -63,17 +63,27 @@ from events.stream import (
     StreamStats,
 )
 
-__all__ = ["AsyncSubscriber", "Subscriber", "SubscriberError", "dp_stream_specs"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "AsyncSubscriber",
+    "Subscriber",
+    "SubscriberError",
+    "dp_stream_specs",
+]
 
 log = logging.getLogger(__name__)
 
 _SEQ = struct.Struct(">Q")
 _LIVE = 0
 _REPLAY = 1
+_MONITOR = 2  # a connecting SUB's socket monitor (disconnections)
 _BURST = 256  # messages read from one socket before looking at the others
 #: Seconds :class:`Subscriber` waits for its thread to open the sockets; only a wedged
 #: machine takes more than milliseconds.
 _START_TIMEOUT = 30.0
+#: Default bound on one received frame, in bytes. vLLM's largest batches (a long prefill's
+#: stores: token ids and hashes) are a few MiB; a frame far beyond that is hostile or broken.
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 #: Where the core hands each poll round's items when there is no ``on_item`` callback.
 Sink = Callable[[list[StreamItem]], Awaitable[None]]
@@ -157,12 +167,17 @@ class _Core:
         *,
         replay_timeout: float,
         rcvhwm: int,
+        max_message_bytes: int | None,
         context: zmq.asyncio.Context,
         on_item: Callable[[StreamItem], Any] | None,
         sink: Sink | None,
     ) -> None:
         if replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be > 0 seconds, got {replay_timeout}")
+        if max_message_bytes is not None and max_message_bytes <= 0:
+            raise ValueError(
+                f"max_message_bytes must be > 0 (or None for no bound), got {max_message_bytes}"
+            )
         self.specs = specs
         self.procs = [StreamProcessor(s) for s in specs]
         self._by_name = {p.name: p for p in self.procs}
@@ -171,6 +186,11 @@ class _Core:
         self.lock = threading.Lock()
         self.endpoints: dict[str, str] = {}
         self._rcvhwm = rcvhwm
+        # ZMQ_MAXMSGSIZE: libzmq reads a frame's size header before allocating its buffer and
+        # drops the connection instead when it is over the bound, so a hostile or corrupt size
+        # can never make this process allocate it (-1: no bound). The lost message is a
+        # sequence gap like any other. Not enforced on inproc://, where no bytes are decoded.
+        self._maxmsgsize = -1 if max_message_bytes is None else max_message_bytes
         self._ctx = context
         self._on_item = on_item
         if on_item is not None:
@@ -180,6 +200,7 @@ class _Core:
         else:  # pragma: no cover - both frontends pass one
             raise TypeError("_Core needs on_item or sink")
         self._subs: list[zmq.asyncio.Socket] = []
+        self._monitors: dict[int, zmq.asyncio.Socket] = {}
         self._dealers: dict[int, zmq.asyncio.Socket] = {}
         self._task: asyncio.Task[None] | None = None
         #: The exception the reader task died of, if it did.
@@ -200,8 +221,12 @@ class _Core:
                 sock = self._ctx.socket(zmq.SUB)
                 self._subs.append(sock)
                 sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+                sock.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
                 sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
                 self.endpoints[spec.name] = bind_or_connect(sock, spec.endpoint, bind=spec.bind)
+                if not spec.bind and not spec.endpoint.startswith("inproc://"):
+                    idx = len(self._subs) - 1
+                    self._monitors[idx] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         except Exception:
             self._close_sockets()
             raise
@@ -265,6 +290,9 @@ class _Core:
         for i, sock in enumerate(self._subs):
             poller.register(sock, zmq.POLLIN)
             where[sock] = (i, _LIVE, zmq.Socket.shadow(sock.underlying))
+        for i, mon in self._monitors.items():
+            poller.register(mon, zmq.POLLIN)
+            where[mon] = (i, _MONITOR, zmq.Socket.shadow(mon.underlying))
         out: list[StreamItem] = []
         procs, lock, dealers = self.procs, self.lock, self._dealers
         while True:
@@ -274,6 +302,9 @@ class _Core:
                 if key is None:  # a replay socket closed earlier in this round
                     continue
                 idx, kind, reader = key
+                if kind == _MONITOR:
+                    self._reconnect(idx, reader)
+                    continue
                 proc = procs[idx]
                 for _ in range(_BURST):
                     try:
@@ -284,12 +315,22 @@ class _Core:
                     with lock:
                         if kind == _LIVE:
                             start = proc.on_live(frames, now, out)
+                            replied = False
                         else:
+                            replies = proc.replay_replies
                             start = proc.on_replay(frames, now, out)
+                            replied = proc.replay_replies != replies
                     if start is not None or idx in dealers:
                         await self._replay_io(idx, start, poller, where, out)
-                    if kind == _REPLAY and dealers.get(idx) is not sock:
-                        break  # that socket was just closed
+                    if kind == _REPLAY:
+                        if dealers.get(idx) is not sock:
+                            break  # that socket was just closed
+                        if replied:
+                            # An idle deadline: a long replay that keeps delivering is healthy
+                            # (a 10,000-batch ring takes seconds), only silence means it is
+                            # stuck. Malformed replies do not count, so junk can't keep a
+                            # replay (and the live messages it holds back) alive.
+                            self.deadlines[idx] = time.monotonic() + self.replay_timeout
             mono = time.monotonic()
             for idx in [i for i, d in self.deadlines.items() if d <= mono]:
                 with lock:
@@ -298,6 +339,38 @@ class _Core:
             if out:
                 await self._deliver(out)  # the sink owns the list from here
                 out = []
+
+    def _reconnect(self, idx: int, monitor: zmq.Socket) -> None:
+        """Re-open a connecting SUB whose connection dropped.
+
+        libzmq reconnects by itself after a network error, but not after a protocol error,
+        and a frame over ``max_message_bytes`` is one: without this, one oversize message
+        would silence the stream for good. Reconnecting after an ordinary drop too is
+        harmless (it only replaces libzmq's own retry). What was lost meanwhile is a
+        sequence gap, replayed or reported as usual."""
+        drops = 0
+        while True:
+            try:
+                monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            drops += 1
+        if not drops:
+            return
+        proc = self.procs[idx]
+        with self.lock:
+            proc.stats.disconnects += drops
+        sock, endpoint = self._subs[idx], self.endpoints[proc.name]
+        log.warning(
+            "stream %s: connection to %s dropped (publisher gone, or a frame over "
+            "max_message_bytes=%d); reconnecting",
+            proc.name,
+            endpoint,
+            self._maxmsgsize,
+        )
+        with contextlib.suppress(zmq.ZMQError):  # ENOENT: libzmq already forgot it
+            sock.disconnect(endpoint)
+        sock.connect(endpoint)
 
     def _next_timeout_ms(self, mono: float) -> int | None:
         if not self.deadlines:
@@ -327,6 +400,7 @@ class _Core:
                 return
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.RCVHWM, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
             replay_ep = proc.spec.replay_endpoint
             try:
                 if replay_ep is None:  # unreachable: the sequencer never asks without one
@@ -358,6 +432,10 @@ class _Core:
                 self._count_consumer_error(item)
 
     def _close_sockets(self) -> None:
+        for i, mon in self._monitors.items():
+            self._subs[i].disable_monitor()
+            mon.close(linger=0)
+        self._monitors.clear()
         for sock in [*self._subs, *self._dealers.values()]:
             sock.close(linger=0)
         self._dealers.clear()
@@ -458,9 +536,14 @@ class Subscriber:
         streams: the publishers to follow (names must be unique).
         on_item: optional callback, called on the subscriber thread (it must not call
             :meth:`close`; signal another thread to do it).
-        replay_timeout: seconds to wait for a replay's end marker before declaring the hole
-            unrecoverable.
+        replay_timeout: seconds a replay may stay silent before its hole is declared
+            unrecoverable: an idle deadline, pushed forward by every well-formed reply, so
+            a long replay that keeps delivering is never cut short.
         rcvhwm: high-water mark of each SUB socket, in messages.
+        max_message_bytes: largest frame accepted from a publisher or its replay ring
+            (``ZMQ_MAXMSGSIZE``, checked before the frame is allocated; ``None``: no bound).
+            A larger one drops the connection (ZeroMQ reconnects), which the stream sees as
+            a gap: replayed, or reported as :class:`~events.stream.GapUnrecoverable`.
         max_pending: queue bound when no callback is given, in items (0: unbounded).
         context: ZeroMQ context (default: the process-wide instance, which ``inproc://``
             publishers share); the core uses an asyncio shadow of it.
@@ -476,6 +559,7 @@ class Subscriber:
         *,
         replay_timeout: float = 2.0,
         rcvhwm: int = 100_000,
+        max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
         max_pending: int = 100_000,
         context: zmq.Context | None = None,
     ) -> None:
@@ -488,6 +572,7 @@ class Subscriber:
                 specs,
                 replay_timeout=replay_timeout,
                 rcvhwm=rcvhwm,
+                max_message_bytes=max_message_bytes,
                 context=ctx,
                 on_item=on_item,
                 sink=self._handoff.put if self._handoff is not None else None,
@@ -611,6 +696,7 @@ class AsyncSubscriber:
         *,
         replay_timeout: float = 2.0,
         rcvhwm: int = 100_000,
+        max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
         max_pending: int = 100_000,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
@@ -618,6 +704,7 @@ class AsyncSubscriber:
             _check_specs(streams),
             replay_timeout=replay_timeout,
             rcvhwm=rcvhwm,
+            max_message_bytes=max_message_bytes,
             context=context if context is not None else zmq.asyncio.Context.instance(),
             on_item=on_item,
             sink=self._enqueue,

@@ -15,7 +15,9 @@ from events.schema import (
     BatchDecodeError,
     BlockRemoved,
     BlockStored,
+    EventDecodeError,
     KVEventBatch,
+    LazyTokensBlockStored,
     UnknownEvent,
     decode_batch,
     encode_batch,
@@ -290,6 +292,68 @@ def test_unknown_and_broken_events_are_kept_in_place() -> None:
 def test_broken_envelope_raises_typed_error(payload: bytes) -> None:
     with pytest.raises(BatchDecodeError):
         decode_batch(payload)
+
+
+# -- hostile bytes: only BatchDecodeError may leave decode_batch (issue 12) ----------------
+
+NOT_UTF8 = b"\xff\xfe"
+
+
+def _with_bad_string(field: str, legacy: bool) -> bytes:
+    """A batch [bad store, good removal] whose store has a non-UTF-8 string in ``field``
+    (encoded as a 3-byte marker first, then patched in place, msgpack length unchanged)."""
+    store = BlockStored(
+        block_hashes=[1],
+        token_ids=[1, 2],
+        block_size=2,
+        medium="GPU",
+        lora_name="qqq",
+        kv_cache_spec_kind="zzz",
+        group_idx=0,
+    )
+    marker = {"medium": "GPU", "lora_name": "qqq", "kv_cache_spec_kind": "zzz"}[field]
+    raw = encode_batch(KVEventBatch(1.0, [store, BlockRemoved(block_hashes=[2])], 0), legacy=legacy)
+    assert raw.count(marker.encode()) == 1
+    return raw.replace(marker.encode(), NOT_UTF8 + b"U")
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("field", ["medium", "lora_name", "kv_cache_spec_kind"])
+def test_non_utf8_string_costs_only_its_event(field: str, legacy: bool, lazy: bool) -> None:
+    d = decode_batch(_with_bad_string(field, legacy), lazy_token_ids=lazy)
+    assert d.unknown == 1 and [type(e) for e in d.events] == [UnknownEvent, BlockRemoved]
+    bad = d.events[0]
+    assert isinstance(bad, UnknownEvent) and bad.index == 0 and NOT_UTF8 in bad.raw
+    assert "UnicodeDecodeError" in bad.error
+    assert d.events[1] == BlockRemoved(block_hashes=[2])
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_too_deep_nesting_is_a_typed_error(lazy: bool) -> None:
+    deep = b"\x91" * 100_000 + b"\x00"  # [[[...[0]...]]]: msgspec raises RecursionError
+    # In the envelope: the batch is broken.
+    with pytest.raises(BatchDecodeError, match="RecursionError"):
+        decode_batch(mp([1.0, [], 0])[:-2] + b"\x91" + deep + b"\x00", lazy_token_ids=lazy)
+    # Inside one event's unknown extra key: that event only.
+    good = mp({"type": "BlockRemoved", "block_hashes": [2]})
+    ev = mp({"type": "BlockRemoved", "block_hashes": [1]})
+    ev = bytes([ev[0] + 1]) + ev[1:] + mp("junk") + deep
+    payload = b"\x93" + mp(1.0) + b"\x92" + ev + good + mp(0)
+    try:
+        d = decode_batch(payload, lazy_token_ids=lazy)
+    except BatchDecodeError:
+        return  # skipping the nested value recursed in the envelope pass too: allowed
+    assert [type(e) for e in d.events] == [UnknownEvent, BlockRemoved]
+
+
+def test_lazy_tokens_of_hostile_bytes_raise_event_decode_error() -> None:
+    ev = mp({"type": "BlockStored", "block_hashes": [1], "token_ids": ["a"]})
+    d = decode_batch(b"\x93" + mp(1.0) + b"\x91" + ev + mp(0), lazy_token_ids=True)
+    store = d.events[0]
+    assert isinstance(store, LazyTokensBlockStored)
+    with pytest.raises(EventDecodeError, match="token_ids"):
+        store.tokens()
 
 
 hashes = st.one_of(st.integers(0, U64_MAX), st.binary(min_size=16, max_size=32))

@@ -335,6 +335,38 @@ def test_processor_counts_everything() -> None:
     assert st_.last_seq == 3 and st_.lag_s == pytest.approx(4.0) and st_.gaps == 0
 
 
+def test_processor_turns_any_decode_exception_into_malformed() -> None:
+    """Whatever decoding raises (not only BatchDecodeError) costs one counted message."""
+
+    def decode(raw: bytes) -> Any:
+        if raw.startswith(b"boom"):
+            raise UnicodeDecodeError("utf-8", raw, 0, 1, "invalid start byte")
+        if raw.startswith(b"bug"):
+            raise RuntimeError("a decoder bug")
+        return decode_batch(raw)
+
+    p = StreamProcessor(StreamSpec("a", "tcp://h:1"), decode=decode)
+    out: list[Any] = []
+    p.on_live([b"", SEQ.pack(0), payload()], 1.0, out)
+    p.on_live([b"", SEQ.pack(1), b"boom"], 1.0, out)
+    p.on_live([b"", SEQ.pack(2), b"bug"], 1.0, out)
+    non_utf8 = encode_batch(KVEventBatch(1.0, [removed(7), removed(8)], 0))
+    non_utf8 = non_utf8.replace(b"GPU", b"\xff\xfeU", 1)
+    p.on_live([b"", SEQ.pack(3), non_utf8], 1.0, out)
+    assert [type(i).__name__ for i in out] == [
+        "StreamBatch",
+        "MalformedMessage",
+        "MalformedMessage",
+        "StreamBatch",
+    ]
+    assert out[1].seq == 1 and "UnicodeDecodeError" in out[1].reason
+    assert out[2].seq == 2 and "RuntimeError" in out[2].reason
+    assert out[3].batch.unknown == 1 and out[3].batch.events[1] == removed(8)
+    st_ = p.stats
+    assert (st_.malformed, st_.batches, st_.unknown_events, st_.last_seq) == (2, 2, 1, 3)
+    assert st_.gaps == 0
+
+
 def valid_events(rng: random.Random) -> list[Any]:
     evs: list[Any] = []
     for _ in range(rng.randint(0, 4)):
@@ -710,6 +742,97 @@ def test_fuzzed_frames_over_sockets(mode: str) -> None:
         assert st_.malformed == sum(1 for e in expect if e[0] == "bad")
         assert st_.unknown_events == sum(e[3] for e in expect if e[0] == "ok")
         assert st_.gaps == st_.resets == 0
+
+
+@modes
+def test_oversize_message_is_dropped_and_seen_as_a_gap(mode: str) -> None:
+    """ZMQ_MAXMSGSIZE drops a frame over the bound before allocating it (and the connection
+    with it); the stream sees the hole like any other, asks the ring, and reports it."""
+    limit = 4096
+    huge = BlockStored(block_hashes=[1], token_ids=list(range(10_000)), block_size=16)
+    with EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub:
+        spec = StreamSpec("a", pub.endpoint, pub.replay_endpoint)
+        with make(mode, [spec], max_message_bytes=limit, replay_timeout=0.3) as h:
+            k = prime(lambda: pub.publish([removed(0)]), h)
+            big = pub.publish([huge])
+            assert big == k + 1 and len(encode_batch(KVEventBatch(1.0, [huge], 0))) > limit
+            # The SUB reconnects (libzmq does it, ~100 ms): publish until a later batch comes.
+            publish_until(lambda: pub.publish([removed(1)]), lambda: any(s > big for s in h.seqs()))
+            last = pub.publish([removed(2)])
+            h.wait_seq(last)
+            wait_for(lambda: h.signals(), what="the gap signal")
+            assert big not in h.seqs()
+            after = [b for b in h.batches() if b.seq > big]
+            first_live = after[0].seq
+            # The ring's answer starts with the same oversize batch, so the replay DEALER is
+            # dropped too and goes quiet: the hole is reported at the (idle) deadline.
+            assert h.signals() == [GapUnrecoverable("a", big, first_live, "replay_timeout")]
+            assert [b.seq for b in after] == list(range(first_live, last + 1))
+            st_ = h.stats()["a"]
+            assert st_.replays == 1 and st_.malformed == 0 and not st_.replaying
+            assert st_.disconnects >= 1  # the SUB dropped the connection; it was re-opened
+
+
+class PacedReplayProxy(GatedReplayProxy):
+    """A replay endpoint that fetches the upstream ring's whole answer, then relays it
+    ``per_tick`` replies every ``tick`` seconds: a replay that lasts long but is never
+    silent for more than a tick (the pace is the scenario, not a synchronisation). The
+    gate is not used."""
+
+    def __init__(self, upstream: str, per_tick: int, tick: float) -> None:
+        self.per_tick, self.tick = per_tick, tick  # before the thread starts
+        super().__init__(upstream)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._front, zmq.POLLIN)
+        poller.register(self._ctl_r, zmq.POLLIN)
+        try:
+            while self._ctl_r not in dict(poller.poll()):
+                ident, _, seq8 = self._front.recv_multipart()
+                back = self._ctx.socket(zmq.DEALER)
+                back.connect(self._upstream)
+                back.send_multipart([b"", seq8])
+                replies = []
+                while back.poll(5000):
+                    replies.append(back.recv_multipart())
+                    if SEQ.unpack(replies[-1][2])[0] == END_SEQ:
+                        break
+                back.close(0)
+                for i in range(0, len(replies), self.per_tick):
+                    if i and self._ctl_r.poll(int(self.tick * 1000)):
+                        return  # closed meanwhile
+                    for frames in replies[i : i + self.per_tick]:
+                        self._front.send_multipart([ident, *frames])
+        finally:
+            self._front.close(0)
+            self._ctl_r.close(0)
+
+
+@modes
+def test_long_replay_that_keeps_delivering_is_not_cut_short(mode: str) -> None:
+    """The replay deadline is an idle one: a 400-batch replay lasting ~4x the timeout, never
+    quiet for more than a quarter of it, completes without a gap."""
+    timeout, n = 0.4, 400
+    with (
+        EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub,
+        LossyForwarder(pub.endpoint) as fwd,
+        PacedReplayProxy(pub.replay_endpoint, per_tick=25, tick=timeout / 4) as proxy,
+    ):
+        spec = StreamSpec("a", fwd.endpoint, proxy.endpoint)
+        with make(mode, [spec], replay_timeout=timeout) as h:
+            k = prime(lambda: pub.publish([removed(0)]), h)
+            fwd.drop |= set(range(k + 1, k + 1 + n))
+            for i in range(1, n + 2):
+                pub.publish([removed(k + i)])
+            h.wait_seq(k + n + 1, timeout=30)
+            replayed = [b for b in h.batches() if b.replayed]
+            assert [b.seq for b in replayed] == list(range(k + 1, k + 1 + n))
+            assert replayed[-1].received_at - replayed[0].received_at > timeout
+            assert h.seqs()[-n - 2 :] == list(range(k, k + n + 2))
+            assert not h.signals()
+            st_ = h.stats()["a"]
+            assert st_.replays == 1 and st_.unrecoverable_gaps == 0 and not st_.replaying
 
 
 def test_subscriber_binds_for_a_connecting_publisher() -> None:
