@@ -192,3 +192,18 @@ def test_the_source_replica_extends_the_learned_layout() -> None:
     index.apply_events(A, hybrid_batch(100))
     groups = index.layout.layout.groups
     assert [(g.kind, g.block_size) for g in groups] == LEARN3 and trusted(index, A)
+
+
+def test_unreadable_token_ids_in_a_root_store_are_a_bad_frame_not_bad_settings() -> None:
+    """Token ids decode lazily (only when the conformance check re-hashes a root store); bad
+    ones there used to read as 'hash settings unusable', a distrust no reset could lift."""
+    from events.schema import KVEventBatch, decode_batch, encode_batch
+
+    bad = stored([1, 2])
+    bad.token_ids = ["not", "ints"]  # type: ignore[assignment]  # what a broken producer sends
+    batch = decode_batch(encode_batch(KVEventBatch(0.0, [bad])), lazy_token_ids=True)
+    index = make(verify_hashes=True)
+    index.apply_events(A, batch.events)
+    assert errors(index, A) == {"refused_token_ids": 1} and index.trust(A) == "untrusted"
+    index.apply_events(A, [AllBlocksCleared()])
+    assert index.trust(A) == "exact", "a clear lifts it: it was a bad frame, not bad settings"

@@ -52,6 +52,7 @@ from events.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventDecodeError,
     LazyTokensBlockStored,
     UnknownEvent,
 )
@@ -691,7 +692,13 @@ class KVIndex:
             rep.counters["conformance_skipped"] += 1
             return
         try:
-            expected = self.conformance(ev.tokens(), ev.block_size, salt)
+            tokens = ev.tokens()
+        except EventDecodeError as exc:  # a bad frame, not bad settings: recoverable
+            rep.roots_seen -= 1
+            self._refuse(rep, "token_ids", f"a root store's token ids could not be read ({exc})")
+            return
+        try:
+            expected = self.conformance(tokens, ev.block_size, salt)
         except ValueError as exc:  # the hash settings themselves are unusable
             rep.counters["conformance_mismatches"] += 1
             self._distrust(
