@@ -82,8 +82,10 @@ class StreamSpec(msgspec.Struct, frozen=True):
     true: vLLM's PUB *connects* when its endpoint has no ``*``/``::``, so the subscriber must
     bind). ``replay_endpoint`` is its ROUTER address; without it a gap is unrecoverable.
     ``dp_rank`` is the ``data_parallel_rank`` the batches must carry (``None``: not
-    checked). ``replay_from_start`` asks the ring for everything since seq 0 when the first
-    batch is seen, which recovers the full state of a publisher younger than its ring.
+    checked). ``replay_from_start`` asks the ring for everything since seq 0 as the stream
+    opens (and again at the first batch if that request failed): the full state of a
+    publisher younger than its ring, else ``GapUnrecoverable(0, oldest, "ring_overflow")``
+    followed by what the ring still holds, so a consumer can tell a late attach apart.
     """
 
     name: str
@@ -208,12 +210,26 @@ class _Apply:
 
 
 class _Pending:
-    __slots__ = ("held", "start", "target")
+    __slots__ = ("attach", "held", "start", "target")
 
-    def __init__(self, start: int, target: int, held: list[tuple[int, bytes, float]]) -> None:
+    def __init__(
+        self,
+        start: int,
+        target: int,
+        held: list[tuple[int, bytes, float]],
+        *,
+        attach: bool = False,
+    ) -> None:
         self.start = start
         self.target = target
         self.held = held
+        self.attach = attach
+        """An attach replay (``Sequencer.attach``): open-ended, ends at the ring's end marker,
+        and live messages it holds may repeat batches the ring already delivered."""
+
+
+_OPEN = 1 << 63
+"""The target of an attach replay: everything the ring holds."""
 
 
 Output = _Apply | GapUnrecoverable | StreamReset
@@ -241,6 +257,19 @@ class Sequencer:
     @property
     def replaying(self) -> bool:
         return self._pending is not None
+
+    def attach(self) -> int | None:
+        """Ask the ring for everything from seq 0 now, before any live message: a subscriber
+        that attaches to an idle publisher then knows its state (and whether the ring still
+        starts at 0) without waiting for traffic. Returns 0 (the replay to request) or None
+        when there is nothing to ask (no ``replay_from_start``, no ring, already started)."""
+        if not (self.replay_from_start and self.can_replay) or self.expected is not None:
+            return None
+        if self._pending is not None:
+            return None
+        self.expected = 0
+        self._pending = _Pending(0, _OPEN, [], attach=True)
+        return 0
 
     @property
     def held(self) -> int:
@@ -308,6 +337,12 @@ class Sequencer:
         if p is None:
             return None
         self._pending = None
+        if p.attach:
+            p.target = self.expected if self.expected is not None else 0
+            # Live messages held meanwhile may repeat what the ring delivered.
+            p.held = [h for h in p.held if h[0] >= p.target]
+            if reason != "ring_overflow" and not p.held and self.expected == 0:
+                self.expected = None  # nothing known: the first live message decides
         if self.expected is not None and self.expected < p.target:
             out.append(GapUnrecoverable(self.stream, self.expected, p.target, reason))
             self.expected = p.target
@@ -361,6 +396,10 @@ class StreamProcessor:
     @property
     def replaying(self) -> bool:
         return self.sequencer.replaying
+
+    def attach(self) -> int | None:
+        """The replay to request as the stream opens (:meth:`Sequencer.attach`), or None."""
+        return self.sequencer.attach()
 
     # -- inputs -------------------------------------------------------------------------
 

@@ -295,6 +295,13 @@ class _Core:
             where[mon] = (i, _MONITOR, zmq.Socket.shadow(mon.underlying))
         out: list[StreamItem] = []
         procs, lock, dealers = self.procs, self.lock, self._dealers
+        for idx, proc in enumerate(procs):
+            # replay_from_start: read the ring at once, so attaching to an idle replica
+            # yields its state (or the news that the ring lost its start) without traffic.
+            with lock:
+                start = proc.attach()
+            if start is not None:
+                await self._replay_io(idx, start, poller, where, out)
         while True:
             ready = await poller.poll(self._next_timeout_ms(time.monotonic()))
             for sock, _ in ready:

@@ -55,10 +55,14 @@ SWA = "sliding_window[1]"
 class SimReplica:
     """One simulated hybrid vLLM replica (module docstring)."""
 
-    def __init__(self, name: str, num_blocks: int, max_model_len: int = 2048) -> None:
+    def __init__(
+        self, name: str, num_blocks: int, max_model_len: int = 2048, buffer_steps: int = 10_000
+    ) -> None:
         self.name = name
         self.pool = HybridBlockPool(LAYOUT, num_blocks)
-        self.publisher = EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
+        self.publisher = EventPublisher(
+            LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=buffer_steps
+        )
         # /kv_event_sources as ``kvrouter replica`` reports it
         sources = [event_source(self.publisher, LOOPBACK, LOOPBACK)]
         self.info = ReplicaInfo(MODEL, max_model_len, event_sources=sources)
@@ -136,21 +140,36 @@ def router_toml(replicas: dict[str, SimReplica]) -> str:
 class SimCluster:
     """Three :class:`SimReplica` and the router in front of them."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        names: tuple[str, ...] = NAMES,
+        buffer_steps: int = 10_000,
+        router: bool = True,
+    ) -> None:
+        """``router=False`` starts the replicas only; :meth:`start_router` attaches it later
+        (after the replicas have published more than their ``buffer_steps`` ring holds)."""
         self.replicas: dict[str, SimReplica] = {}
         self.router: ServerThread | None = None
         self.http: httpx.Client | None = None
+        self.admin = {"authorization": f"Bearer {TOKEN}"}
         try:
-            for name in NAMES:
-                self.replicas[name] = SimReplica(name, num_blocks)
+            for name in names:
+                self.replicas[name] = SimReplica(name, num_blocks, buffer_steps=buffer_steps)
             self.config: RouterConfig = parse_config(router_toml(self.replicas))
-            self.app = create_router_app(self.config)
-            self.router = ServerThread(self.app).start()
-            self.http = httpx.Client(base_url=self.router.url, timeout=30)
+            if router:
+                self.start_router()
         except BaseException:
             self.close()
             raise
-        self.admin = {"authorization": f"Bearer {TOKEN}"}
+
+    def start_router(self) -> None:
+        if self.router is not None:
+            raise RuntimeError("the router is already running")
+        self.app = create_router_app(self.config)
+        self.router = ServerThread(self.app).start()
+        self.http = httpx.Client(base_url=self.router.url, timeout=30)
 
     @property
     def client(self) -> httpx.Client:
