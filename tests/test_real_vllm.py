@@ -171,3 +171,50 @@ def test_wire_check_tail_decodes_everything_and_replay_from_zero_matches_live(st
     common = set(live) & set(replayed)
     assert common
     assert all(replayed[s] == live[s] for s in common)
+
+
+def test_router_attached_late_is_partial_and_learns_from_vllms_answers() -> None:
+    """Two real replicas with an 8-batch replay ring serve traffic before the router exists;
+    the router then attaches: both must come up *partial* (the rings lost their start), be
+    routed on, never over-predict, and learn from vLLM's cached_tokens the blocks cached
+    before attach (issue: live-fleet ingest)."""
+    from bench.real_vllm.exactness import words
+    from bench.real_vllm.replicas import VllmFleet
+    from bench.real_vllm.through_router import post_direct, router_process, settle
+
+    rng = random.Random(11)
+    systems = [[2, *words(rng, 160)] for _ in range(3)]
+    with VllmFleet(2, base_port=18600, buffer_steps=8) as fleet:
+        for i in range(24):
+            post_direct(fleet.replicas[i % 2].url, [*systems[i % 3], *words(rng, 20 + i)])
+        with router_process(fleet, "kv", 18690, None) as (client, admin):
+            deadline = time.monotonic() + 60
+            while True:
+                ex = admin.post("/admin/route/explain", json={"model": MODEL, "token_ids": [2, 9]})
+                trust = {row["replica"]: row["trust"] for row in ex.json()["replicas"]}
+                if trust == {"A": "partial", "B": "partial"}:
+                    break
+                assert time.monotonic() < deadline, f"replicas not partial after attach: {trust}"
+                time.sleep(0.2)  # polling another process's state
+            rows = []
+            for _ in range(40):
+                settle(admin, 1.0)
+                prompt = [*systems[rng.randrange(3)], *words(rng, rng.randrange(8, 60))]
+                r = client.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                )
+                assert r.status_code == 200, r.text
+                cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                rows.append(
+                    (
+                        r.headers["x-kvrouter-replica"],
+                        int(r.headers["x-kvrouter-predicted-hit"]),
+                        cached,
+                    )
+                )
+    over = [row for row in rows if row[1] > row[2]]
+    assert not over, f"a partial replica over-predicted: {over}"
+    exact = sum(1 for row in rows if row[1] == row[2])
+    print(f"late attach on real vLLM: {exact}/{len(rows)} exact; rows {rows}")
+    assert any(row[2] > 0 for row in rows), "no request hit the cache: the test proves nothing"
+    assert exact >= len(rows) - 12, rows

@@ -68,6 +68,8 @@ class VllmFleet:
     base_port: int = 18000
     retention_interval: int | None = None
     num_blocks: int = 160
+    buffer_steps: int | None = None
+    """vLLM's replay ring (``--kv-events-config buffer_steps``; None: vLLM's 10,000)."""
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvrouter-vllm-")))
     replicas: list[Replica] = field(default_factory=list)
 
@@ -97,6 +99,8 @@ class VllmFleet:
                 "replay_endpoint": rep.replay_endpoint,
                 "topic": "",
             }
+            if self.buffer_steps is not None:
+                events["buffer_steps"] = self.buffer_steps
             args = [
                 python, str(HERE / "vllm_serve.py"), str(model),
                 "--host", "127.0.0.1", "--port", str(rep.port),
