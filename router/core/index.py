@@ -56,6 +56,7 @@ from events.schema import (
     LazyTokensBlockStored,
     UnknownEvent,
 )
+from router.core.snapshot import ReplicaSnapshot
 
 __all__ = [
     "TIERS",
@@ -326,6 +327,91 @@ class KVIndex:
 
     def replicas(self) -> list[ReplicaKey]:
         return list(self._replicas)
+
+    # ---------------------------------------------------------------- snapshot
+
+    def export_replica(self, key: ReplicaKey) -> ReplicaSnapshot:
+        """One replica's state for a snapshot (router.core.snapshot); streams left empty."""
+        rep = self._replica(key)
+        bit, slot = rep.bit, rep.slot
+        tiers: dict[str, list[list[tuple[int | bytes, int]]]] = {}
+        for name, tier in self._tiers.items():
+            groups = []
+            for table, extra in zip(tier.tables, tier.extra, strict=True):
+                groups.append(
+                    [(h, extra.get((slot, h), 1)) for h, m in table.items() if m & bit]  # type: ignore[misc]
+                )
+            if any(groups):
+                tiers[name] = groups
+        return ReplicaSnapshot(
+            name=rep.name,
+            dp_rank=rep.dp_rank,
+            trusted=rep.trusted,
+            untrusted_reason=rep.untrusted_reason,
+            recoverable=rep.recoverable,
+            partial_reason=rep.partial_reason,
+            group_aware=rep.group_aware,
+            learned=dict(rep.learned),
+            tiers=tiers,
+        )
+
+    def learned_layout(self) -> tuple[list[GroupSpec], str | None]:
+        """The pool's learned groups and the ``name/dpN`` of the replica they follow."""
+        source = next(
+            (
+                f"{r.name}/dp{r.dp_rank}"
+                for r in self._replicas.values()
+                if r.slot == self._layout_source
+            ),
+            None,
+        )
+        return [self._learned[g] for g in sorted(self._learned)], source
+
+    def import_replica(
+        self, snap: ReplicaSnapshot, *, learned: list[GroupSpec] | None = None, source: bool = False
+    ) -> ReplicaKey:
+        """Load one replica's state from a snapshot into an empty slot. ``learned`` (with
+        ``source``: this replica is the one the pool's learned layout follows) restores the
+        pool's layout when it is learned from events and not known yet."""
+        key = self.add_replica(snap.name, snap.dp_rank)
+        rep = self._replicas[key]
+        if rep.blocks or rep.extra:
+            raise ValueError(f"replica {snap.name}/dp{snap.dp_rank} already holds state")
+        rep.trusted, rep.untrusted_reason = snap.trusted, snap.untrusted_reason
+        rep.recoverable, rep.partial_reason = snap.recoverable, snap.partial_reason
+        rep.group_aware, rep.learned = snap.group_aware, dict(snap.learned)
+        if learned and not self.declared.groups and self._resolved is None:
+            try:
+                self._resolved = resolve(
+                    msgspec.structs.replace(self.declared, groups=tuple(learned))
+                )
+                self._learned = dict(enumerate(learned))
+                if source:
+                    self._layout_source = rep.slot
+            except LayoutError as exc:
+                log.warning("snapshot layout of pool %r not usable: %s", self.pool, exc)
+        for tier_name, groups in snap.tiers.items():
+            if tier_name not in self._tiers:
+                self._tiers[tier_name] = _Tier()
+            tier = self._tiers[tier_name]
+            for g, keys in enumerate(groups):
+                if not keys or g >= self.limits.max_groups:
+                    continue
+                table, extra = tier.group(g)
+                for h, copies in keys:
+                    m = table.get(h, 0)
+                    if m & rep.bit:
+                        continue
+                    if not m:
+                        self.entries += 1
+                    table[h] = m | rep.bit
+                    rep.blocks += 1
+                    if copies > 1:
+                        extra[(rep.slot, h)] = copies
+                        self.extra_entries += copies - 1
+                        rep.extra += copies - 1
+        self.generation += 1
+        return key
 
     def _replica(self, key: ReplicaKey) -> _Replica:
         try:
