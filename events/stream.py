@@ -95,6 +95,10 @@ class StreamSpec(msgspec.Struct, frozen=True):
     dp_rank: int | None = None
     bind: bool = False
     replay_from_start: bool = False
+    resume_from: int | None = None
+    """Ask the ring from this sequence as the stream opens (a consumer restoring a saved
+    state whose last applied batch was ``resume_from - 1``); a ring that no longer reaches
+    back that far gives ``GapUnrecoverable(resume_from, oldest, "ring_overflow")`` first."""
     lazy_token_ids: bool = False
     """Deliver stores as :class:`~events.schema.LazyTokensBlockStored` (token ids decoded
     on demand): for consumers that key state by hash, like the router's index."""
@@ -244,12 +248,20 @@ class Sequencer:
     a replay to request, or ``None``. Payloads are opaque here.
     """
 
-    __slots__ = ("_pending", "can_replay", "expected", "replay_from_start", "stream")
+    __slots__ = ("_pending", "can_replay", "expected", "replay_from_start", "resume_from", "stream")
 
-    def __init__(self, stream: str, *, can_replay: bool, replay_from_start: bool = False) -> None:
+    def __init__(
+        self,
+        stream: str,
+        *,
+        can_replay: bool,
+        replay_from_start: bool = False,
+        resume_from: int | None = None,
+    ) -> None:
         self.stream = stream
         self.can_replay = can_replay
         self.replay_from_start = replay_from_start
+        self.resume_from = resume_from
         self.expected: int | None = None
         """Next sequence number to apply; ``None`` until the first message."""
         self._pending: _Pending | None = None
@@ -263,13 +275,15 @@ class Sequencer:
         that attaches to an idle publisher then knows its state (and whether the ring still
         starts at 0) without waiting for traffic. Returns 0 (the replay to request) or None
         when there is nothing to ask (no ``replay_from_start``, no ring, already started)."""
-        if not (self.replay_from_start and self.can_replay) or self.expected is not None:
+        start = self.resume_from if self.resume_from is not None else 0
+        wanted = self.replay_from_start or self.resume_from is not None
+        if not (wanted and self.can_replay) or self.expected is not None:
             return None
         if self._pending is not None:
             return None
-        self.expected = 0
-        self._pending = _Pending(0, _OPEN, [], attach=True)
-        return 0
+        self.expected = start
+        self._pending = _Pending(start, _OPEN, [], attach=True)
+        return start
 
     @property
     def held(self) -> int:
@@ -289,11 +303,14 @@ class Sequencer:
     def _accept(self, seq: int, payload: bytes, t: float, out: list[Output]) -> int | None:
         expected = self.expected
         if expected is None:
-            if not self.replay_from_start or seq == 0:
+            if self.resume_from is not None:
+                expected = self.resume_from  # a lower seq: the publisher restarted since
+            elif not self.replay_from_start or seq == 0:
                 self.expected = seq + 1
                 out.append(_Apply(seq, payload, False, t))
                 return None
-            expected = 0
+            else:
+                expected = 0
         elif seq < expected:
             out.append(StreamReset(self.stream, expected, seq))
             expected = 0
@@ -341,7 +358,7 @@ class Sequencer:
             p.target = self.expected if self.expected is not None else 0
             # Live messages held meanwhile may repeat what the ring delivered.
             p.held = [h for h in p.held if h[0] >= p.target]
-            if reason != "ring_overflow" and not p.held and self.expected == 0:
+            if reason != "ring_overflow" and not p.held and self.expected == p.start:
                 self.expected = None  # nothing known: the first live message decides
         if self.expected is not None and self.expected < p.target:
             out.append(GapUnrecoverable(self.stream, self.expected, p.target, reason))
@@ -384,6 +401,7 @@ class StreamProcessor:
             spec.name,
             can_replay=spec.replay_endpoint is not None,
             replay_from_start=spec.replay_from_start,
+            resume_from=spec.resume_from,
         )
         if decode is None:
             decode = functools.partial(decode_batch, lazy_token_ids=spec.lazy_token_ids)

@@ -98,6 +98,15 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Distinct connector ``medium`` names kept as tiers of their own besides GPU/CPU/STORAGE."""
     warn_interval_s: float = 60.0
     """One log warning per (replica, reason) per interval; every occurrence is counted."""
+    snapshot_path: str | None = None
+    """Where the router writes its index on shutdown (and every ``snapshot_interval_s``) and
+    reads it back at start, resuming each replica's stream where the file left off: a restart
+    within the replicas' replay rings is exact at once (router.core.snapshot)."""
+    snapshot_interval_s: float = 0.0
+    """Also write the snapshot this often (0: only on shutdown)."""
+    bootstrap_peer: str | None = None
+    """URL of a running router of the same fleet: at start, its ``/admin/index/snapshot`` is
+    loaded (with this router's admin token) instead of the file."""
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 << 20:
@@ -108,8 +117,14 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"max_groups must be in 1..4096, got {self.max_groups}")
         if self.max_block_size < 1:
             raise ValueError(f"max_block_size must be >= 1, got {self.max_block_size}")
-        if self.max_extra_tiers < 0 or self.warn_interval_s < 0:
-            raise ValueError("max_extra_tiers and warn_interval_s must be >= 0")
+        if self.max_extra_tiers < 0 or self.warn_interval_s < 0 or self.snapshot_interval_s < 0:
+            raise ValueError(
+                "max_extra_tiers, warn_interval_s and snapshot_interval_s must be >= 0"
+            )
+        if self.bootstrap_peer is not None and not self.bootstrap_peer.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(f"bootstrap_peer must be an http(s) URL, got {self.bootstrap_peer!r}")
 
     def limits(self) -> IndexLimits:
         """The index bounds this config sets."""

@@ -164,12 +164,25 @@ class SimCluster:
             self.close()
             raise
 
-    def start_router(self) -> None:
+    def start_router(self, extra_toml: str = "") -> None:
+        """Start (or restart) the router; ``extra_toml`` is appended to its config (e.g. an
+        ``[index]`` table)."""
         if self.router is not None:
             raise RuntimeError("the router is already running")
+        self.config = parse_config(router_toml(self.replicas) + extra_toml)
         self.app = create_router_app(self.config)
         self.router = ServerThread(self.app).start()
         self.http = httpx.Client(base_url=self.router.url, timeout=30)
+
+    def stop_router(self) -> None:
+        """Stop the router (its lifespan ends: subscribers close, a configured snapshot is
+        written); the replicas keep running."""
+        if self.http is not None:
+            self.http.close()
+            self.http = None
+        if self.router is not None:
+            router, self.router = self.router, None
+            router.stop()
 
     @property
     def client(self) -> httpx.Client:

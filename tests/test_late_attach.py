@@ -125,3 +125,102 @@ def test_late_attach_is_partial_learns_from_answers_and_converges(cluster: SimCl
         10,
         "both replicas exact after their prefix-cache reset",
     )
+
+
+def _serve(cluster: SimCluster, rng: random.Random, systems: list[list[str]], n: int) -> None:
+    for i in range(n):
+        prompt = " ".join([*systems[i % len(systems)], *words(rng, rng.randrange(8, 40))])
+        r = cluster.direct(NAMES[i % 2]).post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        )
+        assert r.status_code == 200, r.text
+
+
+def _exact_run(cluster: SimCluster, rng: random.Random, systems: list[list[str]], n: int) -> int:
+    """``n`` sequential requests through the router; how many were predicted exactly."""
+    exact = 0
+    for _ in range(n):
+        prompt = " ".join(
+            [*systems[rng.randrange(len(systems))], *words(rng, rng.randrange(8, 40))]
+        )
+        r = cluster.client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        )
+        assert r.status_code == 200, r.text
+        exact += int(r.headers["x-kvrouter-predicted-hit"]) == cached(r.json())
+        cluster.sync(r.headers["x-kvrouter-replica"].split("/")[0])
+    return exact
+
+
+@pytest.fixture()
+def ring4() -> Iterator[SimCluster]:
+    c = SimCluster(400, names=NAMES, buffer_steps=RING, router=False)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_a_restart_that_loads_its_snapshot_is_exact_at_once(ring4: SimCluster, tmp_path) -> None:
+    cluster, rng = ring4, random.Random(8)
+    systems = [words(rng, 96) for _ in range(SYSTEMS)]
+    toml = f"[index]\nsnapshot_path = '{tmp_path / 'index.snap'}'\n"
+    cluster.start_router(toml)  # from the start: exact
+    _serve(cluster, rng, systems, 16)  # both replicas publish past their ring
+    assert _exact_run(cluster, rng, systems, 30) == 30
+    cluster.stop_router()  # writes the snapshot
+    assert (tmp_path / "index.snap").stat().st_size > 0
+    _serve(cluster, rng, systems, 2)  # a batch each while no router runs: within the ring
+    for rep in cluster.replicas.values():
+        assert rep.publisher.next_seq > 2 * RING, "without the snapshot the ring could not help"
+    cluster.start_router(toml)
+    for name in NAMES:
+        cluster.sync(name)
+    assert {row["trust"] for row in cluster.rows(prompt="w1").values()} == {"exact"}
+    assert _exact_run(cluster, rng, systems, 30) == 30
+
+
+def test_a_router_bootstrapped_from_a_peer_is_exact_at_once(ring4: SimCluster) -> None:
+    from router.config import parse_config
+    from router.server.app import create_app
+    from tests.fake_replica import ServerThread
+    from tests.sim_cluster import TOKEN, router_toml
+
+    cluster, rng = ring4, random.Random(9)
+    systems = [words(rng, 96) for _ in range(SYSTEMS)]
+    cluster.start_router()
+    _serve(cluster, rng, systems, 16)  # both replicas publish past their ring
+    assert _exact_run(cluster, rng, systems, 30) == 30
+    peer = cluster.router.url
+    config = parse_config(router_toml(cluster.replicas) + f"[index]\nbootstrap_peer = '{peer}'\n")
+    with ServerThread(create_app(config)) as second:
+        import httpx
+
+        with httpx.Client(base_url=second.url, timeout=30) as http:
+            admin = {"authorization": f"Bearer {TOKEN}"}
+            for _ in range(10):
+                prompt = " ".join([*systems[rng.randrange(SYSTEMS)], *words(rng, 20)])
+                body = {"model": MODEL, "prompt": prompt}
+                mine = http.post("/admin/route/explain", json=body, headers=admin).json()
+                theirs = cluster.explain(prompt=prompt)
+                assert [(r["replica"], r["hit_tokens"], r["trust"]) for r in mine["replicas"]] == [
+                    (r["replica"], r["hit_tokens"], r["trust"]) for r in theirs["replicas"]
+                ]
+                assert {r["trust"] for r in mine["replicas"]} == {"exact"}
+                r = http.post("/v1/completions", json={**body, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                assert int(r.headers["x-kvrouter-predicted-hit"]) == cached(r.json())
+                name = r.headers["x-kvrouter-replica"].split("/")[0]
+                cluster.sync(name)
+                wait_for(
+                    lambda name=name: _caught_up(http, admin, cluster, name),
+                    10,
+                    "the second router to apply the request's events",
+                )
+
+
+def _caught_up(http, admin, cluster: SimCluster, name: str) -> bool:
+    target = cluster.replicas[name].publisher.next_seq - 1
+    streams = http.get("/admin/events", headers=admin).json()["streams"]
+    (s,) = [x for x in streams if x["replica"] == name]
+    return s["stream_stats"] is not None and s["stream_stats"]["last_seq"] == target

@@ -13,9 +13,11 @@ from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from router.config import ReplicaConfig
+from router.core.snapshot import encode_snapshot
 from router.server.state import PoolState, RouterState
 
 __all__ = ["admin_router"]
@@ -187,6 +189,16 @@ def admin_router(state: RouterState) -> APIRouter:
             "speculative_entries": len(pool.speculative) if pool.speculative else None,
             "replicas": rows,
         }
+
+    @r.get(
+        "/index/snapshot",
+        summary="The whole index with each stream's last applied batch (msgpack, versioned)",
+        response_class=Response,
+    )
+    async def index_snapshot() -> Response:
+        # What a router starting with index.bootstrap_peer = this URL loads (router.core.snapshot).
+        data = encode_snapshot(state.index_snapshot())
+        return Response(data, media_type="application/vnd.msgpack")
 
     @r.get("/index", summary="Index entries and bytes per pool, group, replica and tier")
     async def index() -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,11 +26,14 @@ from fastapi.responses import JSONResponse, Response
 from router.config import RouterConfig, is_loopback
 from router.server.admin import admin_router
 from router.server.metrics import CONTENT_TYPE
+from router.server.persist import load_snapshot, snapshot_forever, write_snapshot
 from router.server.proxy import Proxy
 from router.server.scrape import scrape_forever
 from router.server.state import RouterState
 
 __all__ = ["StartupError", "check_startup", "create_app"]
+
+log = logging.getLogger("kvrouter.serve")
 
 
 class StartupError(RuntimeError):
@@ -53,17 +57,28 @@ def create_app(config: RouterConfig) -> Any:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await state.start()
-        scraper = None
+        await state.start(await load_snapshot(config))
+        loop = asyncio.get_running_loop()
+        tasks = []
         if config.server.metrics_scrape_interval_s > 0:
-            scraper = asyncio.get_running_loop().create_task(scrape_forever(state))
+            tasks.append(loop.create_task(scrape_forever(state)))
+        path = config.index.snapshot_path
+        if path and config.index.snapshot_interval_s > 0:
+            tasks.append(
+                loop.create_task(snapshot_forever(state, path, config.index.snapshot_interval_s))
+            )
         try:
             yield
         finally:
-            if scraper is not None:
-                scraper.cancel()
+            for task in tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await scraper
+                    await task
+            if path:
+                try:
+                    write_snapshot(state, path)  # before the streams close: their last seqs
+                except Exception:
+                    log.exception("index snapshot to %s failed at shutdown", path)
             await state.stop()
 
     api = FastAPI(title="kvrouter", lifespan=lifespan, version="0.1.0")

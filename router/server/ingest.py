@@ -6,8 +6,8 @@ Every item the event SDK delivers maps to one index operation (spec §3, §5.4):
 ``StreamBatch``        apply its events in order to the stream's replica and DP rank
 ``StreamReset``        the replica restarted empty (vLLM sends nothing for it): wipe, trusted
 ``GapUnrecoverable``   events lost for good: wipe and distrust until a known state returns;
-                       but a gap from seq 0 before anything was applied is a late attach
-                       (the ring dropped the replica's start): the replica is *partial*
+                       but a gap as the stream opens is a late attach (the ring dropped
+                       the replica's start, or the batches since a snapshot): *partial*
 ``MalformedMessage``   a batch that could not be read is a lost batch: same as a gap
 ``RankMismatch``       the batch belonged to another rank's cache and was dropped: same
 =====================  =================================================================
@@ -55,6 +55,9 @@ class IndexFeeder:
         self.index = index
         self.streams = dict(streams)
         self._started: set[str] = set()
+        self.applied: dict[str, int] = {}
+        """Per stream, the last batch applied to the index: what a snapshot resumes from
+        (the subscriber's own counters can run ahead of what reached the index)."""
         """Streams that have delivered anything: after that a gap is a loss, not an attach."""
         for name, dp_rank in self.streams.values():
             index.add_replica(name, dp_rank)
@@ -67,11 +70,13 @@ class IndexFeeder:
         cls = type(item)
         first = item.stream not in self._started
         self._started.add(item.stream)
-        if cls is GapUnrecoverable and first and item.expected == 0:
+        if cls is GapUnrecoverable and first:
             self.index.attached_late(
-                key, f"the replay ring starts at batch {item.got}, not 0 ({item.reason})"
+                key,
+                f"the replay ring starts at batch {item.got}, not {item.expected} ({item.reason})",
             )
         elif cls is StreamBatch:
+            self.applied[item.stream] = item.seq
             try:
                 self.index.apply_events(key, item.batch.events)
             except Exception as exc:  # one replica's bad batch never stops its stream

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from router.config import PoolConfig, ReplicaConfig, RouterConfig
 from router.core.index import KVIndex, ReplicaKey
 from router.core.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
 from router.core.predict import Prediction, Predictor, body_request_keys
+from router.core.snapshot import SNAPSHOT_VERSION, IndexSnapshot, PoolSnapshot
 from router.core.speculative import SpeculativeOverlay
 from router.core.tokenize import RequestTokenizer, make_tokenizer
 from router.server.ingest import IndexFeeder
@@ -64,6 +66,7 @@ class ReplicaState:
     failures: int = 0
     subscriber: AsyncSubscriber | None = None
     streams: dict[str, ReplicaKey] = field(default_factory=dict)
+    feeder: IndexFeeder | None = None
 
     @property
     def name(self) -> str:
@@ -114,9 +117,7 @@ class PoolState:
         self.cfg = cfg
         self.router = router
         self.name = cfg.model
-        self.index = KVIndex(
-            cfg.layout, limits=router.config.index.limits(), pool=cfg.model
-        )
+        self.index = KVIndex(cfg.layout, limits=router.config.index.limits(), pool=cfg.model)
         self.predictor = Predictor(self.index)
         self.speculative: SpeculativeOverlay | None = None
         if cfg.policy.speculative_insert and cfg.policy.name in ("kv", "prefix_group_blind"):
@@ -135,7 +136,11 @@ class PoolState:
 
     # -------------------------------------------------------------- replicas
 
-    async def add_replica(self, rcfg: ReplicaConfig) -> ReplicaState:
+    async def add_replica(
+        self, rcfg: ReplicaConfig, restored: dict[str, int] | None = None
+    ) -> ReplicaState:
+        """Connect a replica. ``restored``: its state was loaded from a snapshot, and maps each
+        of its streams to the last batch applied there (the ring is asked from the next)."""
         if rcfg.name in self.replicas:
             raise ValueError(f"replica {rcfg.name!r} already exists in pool {self.name!r}")
         s = self.router.config.server
@@ -167,11 +172,15 @@ class PoolState:
                     dp_rank=sc.dp_rank,
                     bind=rcfg.bind,
                     replay_from_start=True,
+                    resume_from=(restored[sname] + 1 if restored and sname in restored else None),
                     lazy_token_ids=True,
                 )
             )
         if specs:
             feeder = IndexFeeder(self.index, rep.streams)
+            if restored:
+                feeder.applied.update(restored)
+            rep.feeder = feeder
             on_item: Any = feeder
             if self.speculative is not None:
                 overlay, streams = self.speculative, rep.streams
@@ -378,15 +387,47 @@ class RouterState:
             return next(iter(self.pools.values()))
         return p
 
-    async def start(self) -> None:
+    async def start(self, snapshot: IndexSnapshot | None = None) -> None:
+        """Build the pools and connect their replicas; a ``snapshot`` (router.core.snapshot)
+        restores each configured replica it holds, whose streams then resume after it."""
+        saved = {p.model: p for p in snapshot.pools} if snapshot is not None else {}
         for pcfg in self.config.pools:
             pool = PoolState(pcfg, self)
             self.pools[pcfg.model] = pool
             for name in (pcfg.model, *pcfg.aliases):
                 self.models[name] = pool
+            psnap = saved.get(pcfg.model)
+            by_key = {(r.name, r.dp_rank): r for r in psnap.replicas} if psnap else {}
             for rcfg in pcfg.replicas:
-                await pool.add_replica(rcfg)
+                restored: dict[str, int] = {}
+                for rank in rcfg.ranks():
+                    rsnap = by_key.get((rcfg.name, rank))
+                    if rsnap is None or psnap is None:
+                        continue
+                    pool.index.import_replica(
+                        rsnap,
+                        learned=psnap.learned_groups,
+                        source=psnap.layout_source == f"{rcfg.name}/dp{rank}",
+                    )
+                    restored.update(rsnap.streams)
+                await pool.add_replica(rcfg, restored or None)
         self.started = True
+
+    def index_snapshot(self) -> IndexSnapshot:
+        """Every pool's index with the last batch applied per stream (router.core.snapshot)."""
+        pools = []
+        for p in self.pools.values():
+            groups, source = p.index.learned_layout()
+            reps = []
+            for rep in p.replicas.values():
+                applied = rep.feeder.applied if rep.feeder is not None else {}
+                for sname, key in rep.streams.items():
+                    snap = p.index.export_replica(key)
+                    if sname in applied:
+                        snap.streams = {sname: applied[sname]}
+                    reps.append(snap)
+            pools.append(PoolSnapshot(p.name, groups, source, reps))
+        return IndexSnapshot(SNAPSHOT_VERSION, time.time(), pools)
 
     async def stop(self) -> None:
         for pool in self.pools.values():
@@ -396,5 +437,3 @@ class RouterState:
 
     def record_mismatch(self, entry: dict[str, Any]) -> None:
         self.mismatches.append(entry)
-
-
