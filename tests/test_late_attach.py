@@ -152,17 +152,8 @@ def _exact_run(cluster: SimCluster, rng: random.Random, systems: list[list[str]]
     return exact
 
 
-@pytest.fixture()
-def ring4() -> Iterator[SimCluster]:
-    c = SimCluster(400, names=NAMES, buffer_steps=RING, router=False)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-def test_a_restart_that_loads_its_snapshot_is_exact_at_once(ring4: SimCluster, tmp_path) -> None:
-    cluster, rng = ring4, random.Random(8)
+def test_a_restart_that_loads_its_snapshot_is_exact_at_once(cluster: SimCluster, tmp_path) -> None:
+    rng = random.Random(8)
     systems = [words(rng, 96) for _ in range(SYSTEMS)]
     toml = f"[index]\nsnapshot_path = '{tmp_path / 'index.snap'}'\n"
     cluster.start_router(toml)  # from the start: exact
@@ -180,13 +171,13 @@ def test_a_restart_that_loads_its_snapshot_is_exact_at_once(ring4: SimCluster, t
     assert _exact_run(cluster, rng, systems, 30) == 30
 
 
-def test_a_router_bootstrapped_from_a_peer_is_exact_at_once(ring4: SimCluster) -> None:
+def test_a_router_bootstrapped_from_a_peer_is_exact_at_once(cluster: SimCluster) -> None:
     from router.config import parse_config
     from router.server.app import create_app
     from tests.fake_replica import ServerThread
     from tests.sim_cluster import TOKEN, router_toml
 
-    cluster, rng = ring4, random.Random(9)
+    rng = random.Random(9)
     systems = [words(rng, 96) for _ in range(SYSTEMS)]
     cluster.start_router()
     _serve(cluster, rng, systems, 16)  # both replicas publish past their ring
