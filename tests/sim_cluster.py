@@ -208,15 +208,16 @@ class SimCluster:
         """The explain rows by replica name."""
         return {row["replica"]: row for row in self.explain(**body)["replicas"]}
 
-    def caught_up(self, name: str) -> bool:
-        """Whether the router has applied every batch replica ``name`` has published."""
+    def caught_up(self, name: str, http: httpx.Client | None = None) -> bool:
+        """Whether the router (or the one ``http`` talks to) has applied every batch replica
+        ``name`` has published."""
         pub = self.replicas[name].publisher
         if not pub.flush(5):
             return False
         target = pub.next_seq - 1
         if target < 0:
             return True
-        r = self.client.get("/admin/events", headers=self.admin)
+        r = (http or self.client).get("/admin/events", headers=self.admin)
         if r.status_code != 200:
             raise AssertionError(f"/admin/events failed: {r.status_code} {r.text}")
         (stream,) = [s for s in r.json()["streams"] if s["replica"] == name]

@@ -204,14 +204,8 @@ def test_a_router_bootstrapped_from_a_peer_is_exact_at_once(cluster: SimCluster)
                 name = r.headers["x-kvrouter-replica"].split("/")[0]
                 cluster.sync(name)
                 wait_for(
-                    lambda name=name: _caught_up(http, admin, cluster, name),
+                    lambda name=name: cluster.caught_up(name, http),
                     10,
                     "the second router to apply the request's events",
                 )
 
-
-def _caught_up(http, admin, cluster: SimCluster, name: str) -> bool:
-    target = cluster.replicas[name].publisher.next_seq - 1
-    streams = http.get("/admin/events", headers=admin).json()["streams"]
-    (s,) = [x for x in streams if x["replica"] == name]
-    return s["stream_stats"] is not None and s["stream_stats"]["last_seq"] == target

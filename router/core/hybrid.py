@@ -142,6 +142,13 @@ def full_attention_hit(
     return hit - hit % alignment
 
 
+def _window_need(spec: GroupSpec, drop_eagle_block: bool) -> int:
+    """Cached blocks in a row a sliding-window hit needs: ``ceil((window - 1) / B)``, one more
+    with EAGLE. vLLM tests ``run >= need`` only after counting a cached block, so 0 acts as 1."""
+    need = -(-((spec.sliding_window or 1) - 1) // spec.block_size)
+    return max(need + (1 if drop_eagle_block else 0), 1)
+
+
 def sliding_window_hit(
     spec: GroupSpec,
     group_ids: tuple[int, ...],
@@ -172,10 +179,7 @@ def sliding_window_hit(
     b = spec.block_size
     h = hash_block_size
     k = b // h
-    window = spec.sliding_window or 1
-    need = -(-(window - 1) // b) + (1 if drop_eagle_block else 0)
-    # vLLM tests `run >= need` only after counting a cached block, so need 0 acts as 1.
-    need = max(need, 1)
+    need = _window_need(spec, drop_eagle_block)
     n_max = min(max_length, num_hashes * h) // b
     # Right edges allowed to start a run: block r with (r + off) * B % A == 0, i.e. r + off a
     # multiple of `period` (period 1 when B == A, where vLLM applies no such rule).
@@ -507,7 +511,7 @@ def blocks_behind_hit(layout: ResolvedLayout, hit_tokens: int) -> list[tuple[int
         if spec.kind in FA_TYPE_KINDS:
             first = 0
         elif spec.kind in SLIDING_KINDS:
-            first = max(0, end - max(1, -(-((spec.sliding_window or 1) - 1) // b)))
+            first = max(0, end - _window_need(spec, False))
         elif spec.kind == GroupKind.CHUNKED_LOCAL_ATTENTION and spec.attention_chunk_size:
             chunk = spec.attention_chunk_size
             first = hit_tokens // chunk * chunk // b  # the scan starts at the hit's chunk

@@ -208,6 +208,12 @@ class _Replica:
         )
     )
 
+    @property
+    def trust(self) -> Trust:
+        if not self.trusted:
+            return "untrusted"
+        return "partial" if self.partial_reason is not None else "exact"
+
 
 class _Tier:
     """Tables of one storage tier: per group, hash -> replica bitmask, plus extra copies."""
@@ -431,10 +437,7 @@ class KVIndex:
         after the replay ring had dropped its start, so blocks stored before are unknown
         (predictions are a lower bound, and grow as vLLM's answers teach the index);
         ``untrusted``: events lost mid-stream or wrong settings (predicts 0)."""
-        rep = self._replica(key)
-        if not rep.trusted:
-            return "untrusted"
-        return "partial" if rep.partial_reason is not None else "exact"
+        return self._replica(key).trust
 
     def partial_reason(self, key: ReplicaKey) -> str | None:
         return self._replica(key).partial_reason
@@ -1021,7 +1024,7 @@ class KVIndex:
                     extra_copies=rep.extra,
                     group_aware=rep.group_aware,
                     ingest_errors=dict(rep.ingest_errors),
-                    trust=self.trust((rep.name, rep.dp_rank)),
+                    trust=rep.trust,
                     partial_reason=rep.partial_reason,
                     **rep.counters,
                 )

@@ -69,7 +69,8 @@ class IndexFeeder:
             raise UnknownStream(item.stream) from None
         cls = type(item)
         first = item.stream not in self._started
-        self._started.add(item.stream)
+        if first:
+            self._started.add(item.stream)
         if cls is GapUnrecoverable and first:
             self.index.attached_late(
                 key,
