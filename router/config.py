@@ -70,6 +70,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_scrape_interval_s: float = 1.0
     """How often each replica's ``/metrics`` is read for running/waiting/KV usage (0: never)."""
     mismatch_log_size: int = 100
+    stream_usage: bool = True
+    """Set ``stream_options.include_usage`` on streaming requests that lack it, so every
+    answer reports ``cached_tokens`` (the prediction check, and learning what a replica held
+    before the router attached), and strip the usage event from the client's stream again."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:

@@ -154,6 +154,7 @@ class FakeReplica:
             if self.fail_status:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=self.fail_status)
             body = msgspec.json.decode(await request.body())
+            self.last_body = body
             ids = tokens(kind, body)
             hit = self.serve_prompt(ids) + self.lie_by
             n_out = int(body.get("max_tokens") or 4)

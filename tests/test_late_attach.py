@@ -209,3 +209,42 @@ def test_a_router_bootstrapped_from_a_peer_is_exact_at_once(cluster: SimCluster)
                     "the second router to apply the request's events",
                 )
 
+
+def test_a_stream_that_did_not_ask_for_usage_still_teaches_the_router(cluster: SimCluster) -> None:
+    """The router asks each streaming request for vLLM's usage event: a partial replica's
+    streamed answer teaches the keys behind its hit, and the client's stream has no usage."""
+    rng = random.Random(11)
+    systems = [words(rng, 96) for _ in range(2)]
+    for i in range(24):  # replica a serves both system prompts, b none
+        prompt = " ".join([*systems[i % 2], *words(rng, 20)])
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        assert cluster.direct("a").post("/v1/completions", json=body).status_code == 200
+    assert cluster.replicas["a"].publisher.next_seq > 3 * RING
+    cluster.start_router()
+    for name in NAMES:
+        cluster.sync(name)
+    probe = " ".join([*systems[0], *words(rng, 20)])
+    assert cluster.rows(prompt=probe)["a"]["hit_tokens"] == 0  # cached before attach: unknown
+
+    # b drained: the stream goes to a, which holds the system prompt from before attach
+    assert cluster.client.post("/admin/replicas/b/drain", headers=cluster.admin).status_code == 200
+    body = {"model": MODEL, "prompt": probe, "max_tokens": 2, "stream": True}
+    with cluster.client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_raw())
+        assert r.headers["x-kvrouter-replica"] == "a"
+    assert b'"usage"' not in raw and raw.endswith(b"data: [DONE]\n\n")
+    cluster.sync("a")
+    # vLLM's answer (the simulated replica's own hit rule) reported the system prompt's hit;
+    # the keys behind it are learned, so the next prompt over that system prompt predicts it
+    nxt = " ".join([*systems[0], *words(rng, 20)])
+    assert cluster.rows(prompt=nxt)["a"]["hit_tokens"] > 0
+    inferred = cluster.metric(
+        "kvrouter_index_block_ops_total", outcome="inferred_blocks", pool=MODEL, replica="a/dp0"
+    )
+    assert inferred > 0
+    r = cluster.client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": nxt, "max_tokens": 2}
+    )
+    assert r.headers["x-kvrouter-replica"] == "a"
+    assert int(r.headers["x-kvrouter-predicted-hit"]) == cached(r.json()) > 0

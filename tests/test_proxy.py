@@ -25,7 +25,9 @@ def router_toml(reps: dict[str, tuple[FakeReplica, ServerThread]], **server: Any
     )
     assert len(LAYOUT.groups) == 2
     lines = ["[server]", f'admin_token = "{TOKEN}"', "metrics_scrape_interval_s = 0.2"]
-    lines += [f"{k} = {v!r}" for k, v in server.items()]
+    lines += [
+        f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in server.items()
+    ]
     lines += ["[[pools]]", f'model = "{MODEL}"', "[pools.layout]", f"groups = [{groups}]"]
     for name, (fake, srv) in reps.items():
         lines += [
@@ -39,12 +41,12 @@ def router_toml(reps: dict[str, tuple[FakeReplica, ServerThread]], **server: Any
 
 
 class Cluster:
-    def __init__(self) -> None:
+    def __init__(self, **server: Any) -> None:
         self.fakes: dict[str, tuple[FakeReplica, ServerThread]] = {}
         for name in ("a", "b", "c"):
             fake = FakeReplica(name)
             self.fakes[name] = (fake, ServerThread(fake.app).start())
-        self.config = parse_config(router_toml(self.fakes))
+        self.config = parse_config(router_toml(self.fakes, **server))
         self.router = ServerThread(create_app(self.config)).start()
         self.http = httpx.Client(base_url=self.router.url, timeout=10)
         self.admin = {"authorization": f"Bearer {TOKEN}"}
@@ -240,8 +242,9 @@ def test_streaming_is_byte_for_byte_a_direct_call(cluster: Cluster) -> None:
 
 def test_streaming_usage_feeds_the_prediction_check(cluster: Cluster) -> None:
     """``cached_tokens`` from the SSE stream's final usage chunk is compared with the
-    prediction: the per-replica counters move by hand-counted amounts, and only when the
-    stream carries usage."""
+    prediction: the per-replica counters move by hand-counted amounts. A stream whose client
+    did not ask for usage is checked too (the router asks the replica for it) and its client
+    reads no usage."""
     prompt = words(4, 200)  # BOS + 200 words = 201 tokens, 12 full blocks
     body = {"model": MODEL, "prompt": prompt, "stream": True}
     usage = {**body, "stream_options": {"include_usage": True}}
@@ -249,8 +252,13 @@ def test_streaming_usage_feeds_the_prediction_check(cluster: Cluster) -> None:
     def stream(b: dict[str, Any]) -> str:
         with cluster.http.stream("POST", "/v1/completions", json=b) as r:
             assert r.status_code == 200
-            b"".join(r.iter_raw())
-            return r.headers["x-kvrouter-replica"]
+            raw = b"".join(r.iter_raw())
+            rep = r.headers["x-kvrouter-replica"]
+        sent = cluster.fake(rep).last_body
+        assert sent["stream_options"]["include_usage"] is True
+        assert (b'"usage"' in raw) == ("stream_options" in b), raw
+        assert raw.endswith(b"data: [DONE]\n\n")
+        return rep
 
     def counts(rep: str) -> tuple[float, ...]:
         return (
@@ -266,18 +274,35 @@ def test_streaming_usage_feeds_the_prediction_check(cluster: Cluster) -> None:
     # SWA 9..11 of the 8..11 it stored), predicted and reported alike.
     cluster.wait_hits(prompt, lambda h: h[rep] == 192, "the first stream's blocks indexed")
     assert stream(usage) == rep
-    assert stream(body) == rep  # no usage chunk: nothing to compare, no counter moves
+    assert stream(body) == rep  # the client did not ask: checked all the same
     cluster.fake(rep).lie_by = 16
-    assert stream(usage) == rep  # reports 208 against 192: checked, not exact, error 16
+    assert stream(body) == rep  # reports 208 against 192: checked, not exact, error 16
     after = counts(rep)
     old = before[rep]
     deltas = tuple(a - b for a, b in zip(after, old, strict=True))
-    # checked: 3 usage streams; exact: the first two; |error|: 0 + 0 + 16;
-    # predicted hits: 0 + 192 + 192 (only compared requests are observed)
-    assert deltas == (3.0, 2.0, 16.0, 384.0), deltas
+    # checked: 4 streams; exact: the first three; |error|: 0 + 0 + 0 + 16;
+    # predicted hits: 0 + 192 + 192 + 192
+    assert deltas == (4.0, 3.0, 16.0, 576.0), deltas
     for name in cluster.fakes:
         if name != rep:
             assert counts(name)[:3] == before[name][:3]
+
+
+def test_stream_usage_off_leaves_the_request_alone() -> None:
+    """``server.stream_usage = false``: the body reaches the replica unchanged (no usage
+    asked, nothing checked)."""
+    c = Cluster(stream_usage=False)
+    try:
+        body = {"model": MODEL, "prompt": words(6, 40), "stream": True}
+        with c.http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            raw = b"".join(r.iter_raw())
+            rep = r.headers["x-kvrouter-replica"]
+        assert "stream_options" not in c.fake(rep).last_body
+        assert b'"usage"' not in raw
+        assert c.sample("kvrouter_prediction_checked_total", replica=rep) == 0
+    finally:
+        c.close()
 
 
 def test_failover_on_a_5xx_before_the_first_byte(cluster: Cluster) -> None:

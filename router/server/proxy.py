@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from router.server.state import ReplicaState, RouteChoice, RouterState
+from router.server.stream_usage import UsageStripper, request_usage
 from router.server.upstream import UpstreamError
 
 __all__ = ["HOP_BY_HOP", "Proxy"]
@@ -173,6 +174,12 @@ class Proxy:
         if tok.token_ids is None:
             self._m.untokenized.labels(pool.name, tok.reason or "unknown").inc()
         stream = bool(body.get("stream"))
+        strip_usage = False
+        if stream and self.cfg.stream_usage and request_usage(body):
+            # the answer's cached_tokens feed the prediction loop and learning (a partial
+            # replica); the client, which did not ask for usage, will not see it
+            strip_usage = True
+            raw = _encode(body)
         exclude: set[tuple[str, int]] = set()
         last_error: _Upstream | None = None
         path = scope.get("raw_path") or scope["path"].encode()
@@ -197,7 +204,9 @@ class Proxy:
             if rep is None:
                 continue
             try:
-                await self._forward(rep, key, choice, url, fwd, raw, stream, send, request_id)
+                await self._forward(
+                    rep, key, choice, url, fwd, raw, stream, send, request_id, strip_usage
+                )
                 return
             except _Upstream as exc:
                 last_error = exc
@@ -225,6 +234,7 @@ class Proxy:
         stream: bool,
         send: Any,
         request_id: bytes,
+        strip_usage: bool = False,
     ) -> None:
         rank = key[1]
         headers = list(fwd)
@@ -283,6 +293,7 @@ class Proxy:
                         self._check(choice, key, label, data, request_id)
                     return
                 tail = b""
+                stripper = UsageStripper() if strip_usage else None
                 try:
                     async for chunk in resp:
                         if first:
@@ -296,8 +307,12 @@ class Proxy:
                                 }
                             )
                             first = False
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         tail = (tail + chunk)[-_TAIL:]
+                        if stripper is not None:
+                            chunk = stripper.feed(chunk)
+                            if not chunk:
+                                continue
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 except UpstreamError as exc:
                     if first:
                         raise _Upstream(str(exc)) from None
@@ -317,7 +332,10 @@ class Proxy:
                     return
                 if first:  # an empty 200 stream: say so rather than hang up
                     raise _Upstream("empty stream")
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                rest = stripper.flush() if stripper is not None else b""
+                await send({"type": "http.response.body", "body": rest, "more_body": False})
+                if stripper is not None and stripper.usage is not None:
+                    tail = stripper.usage
                 self._check(choice, key, label, tail, request_id)
             finally:
                 await resp.aclose()
