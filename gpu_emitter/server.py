@@ -78,6 +78,9 @@ class ReplicaInfo:
     """One entry per DP rank: ``data_parallel_rank``, ``endpoint``, ``replay_endpoint``,
     ``topic`` (see :func:`gpu_emitter.cli.event_source`)."""
     created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.time)
+    """The replica's epoch, exported as ``process_start_time_seconds`` as vLLM's API server
+    does (Prometheus' process collector): a new replica process is a new value."""
 
 
 def _error_body(message: str, type_: str, status: int) -> bytes:
@@ -383,7 +386,11 @@ def render_metrics(engine: Engine, info: ReplicaInfo) -> str:
         ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
          st.generation_tokens),
     ]  # fmt: skip
-    out: list[str] = []
+    out: list[str] = [
+        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+        "# TYPE process_start_time_seconds gauge",
+        f"process_start_time_seconds {info.started!r}",
+    ]
     for name, kind, help_, value in gauges_and_counters:
         _metric(out, name, kind, help_, [(base, value)])
     success = [

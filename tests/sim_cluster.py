@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from events.endpoints import EndpointError
 from events.layout import GroupKind, GroupSpec, ModelLayout
 from events.publisher import EventPublisher
 from gpu_emitter.cli import event_source
@@ -90,6 +91,21 @@ class SimReplica:
         self.http = ServerThread(create_app(engine, self.info), self.port).start()
         self.port = self.http.port
 
+    def restart(self) -> None:
+        """A new replica process on the same ports: an empty cache, sequence numbers from 0,
+        a new start time, and no event saying so (vLLM's restart, spec §5 item 14)."""
+        endpoint, replay = self.publisher.endpoint, self.publisher.replay_endpoint
+        buffer_steps = self.publisher.buffer_steps
+        self.stop_http()
+        self.publisher.close()
+        self.pool = HybridBlockPool(LAYOUT, self.pool.num_blocks)
+        self.publisher = wait_for(
+            lambda: _try_bind(endpoint, replay, buffer_steps), 10, f"{endpoint} to be free again"
+        )
+        sources = [event_source(self.publisher, LOOPBACK, LOOPBACK)]
+        self.info = ReplicaInfo(MODEL, self.info.max_model_len, event_sources=sources)
+        self.start_http()
+
     def stop_http(self) -> None:
         """Stop the HTTP server: connections to its port are refused from then on. Requests in
         flight fail (the engine stops with the server and gives their blocks back)."""
@@ -103,6 +119,17 @@ class SimReplica:
             self.stop_http()
         finally:
             self.publisher.close()
+
+
+def _try_bind(endpoint: str, replay: str | None, buffer_steps: int) -> EventPublisher | None:
+    """A publisher on the given endpoints, or None while the old process's sockets still
+    hold them (ZeroMQ closes asynchronously)."""
+    try:
+        return EventPublisher(
+            endpoint, replay_endpoint=replay, buffer_steps=buffer_steps, bind=True
+        )
+    except EndpointError:
+        return None
 
 
 def router_toml(replicas: dict[str, SimReplica]) -> str:

@@ -248,3 +248,81 @@ def test_a_stream_that_did_not_ask_for_usage_still_teaches_the_router(cluster: S
     )
     assert r.headers["x-kvrouter-replica"] == "a"
     assert int(r.headers["x-kvrouter-predicted-hit"]) == cached(r.json()) > 0
+
+
+def test_a_replica_restarted_since_the_snapshot_is_not_loaded_from_it(
+    cluster: SimCluster, tmp_path
+) -> None:
+    """Sequence numbers restart at 0 with vLLM's process; a replica that restarted while no
+    router ran and has since published past the saved sequence looks continuous by seq alone.
+    Its process start time (``process_start_time_seconds``, saved with the snapshot) is its
+    epoch: the restarted replica's saved state must not be loaded, the other's must."""
+    rng = random.Random(12)
+    systems = [words(rng, 96) for _ in range(SYSTEMS)]
+    toml = f"[index]\nsnapshot_path = '{tmp_path / 'index.snap'}'\n"
+    cluster.start_router(toml)
+    _serve(cluster, rng, systems, 16)
+    for name in NAMES:
+        cluster.sync(name)
+    probe = " ".join([*systems[0], *words(rng, 20)])
+    assert cluster.rows(prompt=probe)["a"]["hit_tokens"] > 0
+    saved_seq = cluster.replicas["a"].publisher.next_seq
+    cluster.stop_router()
+
+    cluster.replicas["a"].restart()  # empty cache, seq from 0
+    for i in range(3 * saved_seq):  # new content only, past the saved sequence
+        prompt = " ".join(words(rng, 60 + i % 7))
+        r = cluster.direct("a").post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        )
+        assert r.status_code == 200, r.text
+        if cluster.replicas["a"].publisher.next_seq > saved_seq + 1:
+            break
+    assert cluster.replicas["a"].publisher.next_seq > saved_seq + 1
+    r = cluster.direct("b").post(  # b: one batch after the snapshot, well inside its ring
+        "/v1/completions",
+        json={"model": MODEL, "prompt": " ".join(words(rng, 40)), "max_tokens": 1},
+    )
+    assert r.status_code == 200
+
+    cluster.start_router(toml)
+    for name in NAMES:
+        cluster.sync(name)
+    rows = cluster.rows(prompt=probe)
+    # a holds nothing of the system prompts any more: predicted 0 (stale state would say 96+)
+    assert rows["a"]["hit_tokens"] == 0, rows["a"]
+    b_row = cluster.rows(prompt=" ".join([*systems[1], *words(rng, 20)]))["b"]
+    assert b_row["trust"] == "exact" and b_row["hit_tokens"] > 0  # b's state was loaded
+    r = cluster.direct("a").post(
+        "/v1/completions", json={"model": MODEL, "prompt": probe, "max_tokens": 2}
+    )
+    assert cached(r.json()) == 0  # the replica's own answer agrees
+
+
+def test_a_restart_seen_by_the_scrape_wipes_the_replica(cluster: SimCluster) -> None:
+    """While the router runs, a replica process that changes (a new start time) is read
+    anew: its old blocks are never predicted again, and the restart is counted."""
+    rng = random.Random(13)
+    systems = [words(rng, 96) for _ in range(SYSTEMS)]
+    cluster.start_router()
+    _serve(cluster, rng, systems, 8)
+    cluster.sync("a")
+    probe = " ".join([*systems[0], *words(rng, 20)])
+    assert cluster.rows(prompt=probe)["a"]["hit_tokens"] > 0
+    cluster.replicas["a"].restart()
+
+    def restarts() -> int:
+        r = cluster.client.get("/admin/replicas", headers=cluster.admin)
+        return next(x["restarts"] for x in r.json()["replicas"] if x["name"] == "a")
+
+    wait_for(lambda: restarts() == 1, 20, "the scrape to see a's new start time")
+    wait_for(lambda: cluster.rows(prompt=probe)["a"]["hit_tokens"] == 0, 10, "a's old blocks gone")
+    # a serves again; the router follows its new stream (its first batch may go out before
+    # the new subscription is connected: the second one's gap brings it from the ring)
+    _serve(cluster, rng, systems, 4)
+    cluster.sync("a")
+    row = cluster.rows(prompt=probe)["a"]
+    r = cluster.direct("a").post(
+        "/v1/completions", json={"model": MODEL, "prompt": probe, "max_tokens": 2}
+    )
+    assert row["hit_tokens"] == cached(r.json())

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from test_proxy import Cluster, cluster, words  # noqa: F401  (module fixture)
 from zmq_helpers import wait_for
 
-from router.server.scrape import others_load, parse_vllm_metrics
+from router.server.scrape import others_load
+from router.server.vllm_metrics import parse_start_time, parse_vllm_metrics, restarted
 
 counts = st.integers(0, 40)
 
@@ -102,3 +103,25 @@ def test_other_clients_load_steers_the_route(cluster: Cluster) -> None:  # noqa:
     assert r.status_code == 200 and r.headers["x-kvrouter-replica"].startswith("c")
     cluster.fake("a").others_running = cluster.fake("b").others_running = 0
     wait_for(lambda: load() == {"a": 0, "b": 0, "c": 0}, 10, "the next scrape")
+
+
+def test_the_start_time_is_read_as_vllm_exports_it() -> None:
+    # as vLLM 0.32's API server serves it (prometheus_client's process collector)
+    text = (
+        b"# HELP process_start_time_seconds Start time of the process since unix epoch in "
+        b"seconds.\n# TYPE process_start_time_seconds gauge\n"
+        b"process_start_time_seconds 1.79547170445e+09\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
+    )
+    assert parse_start_time(text) == 1795471704.45
+    assert parse_start_time(b'vllm:num_requests_running{engine="0"} 1.0\n') is None
+    assert parse_start_time(b"process_start_time_seconds NaNx\n") is None
+    # another metric whose name starts alike is not it
+    assert parse_start_time(b"process_start_time_seconds_total 5\n") is None
+
+
+def test_restarted_needs_two_known_different_start_times() -> None:
+    assert restarted(1000.0, 1000.5)
+    assert not restarted(1000.0, 1000.01)  # the same process, read twice
+    assert not restarted(None, 1000.0)  # nothing known yet
+    assert not restarted(1000.0, None)  # the scrape did not say

@@ -14,6 +14,7 @@ and floods that evict sliding-window blocks) and checks, for each, that the pred
 
 from __future__ import annotations
 
+import math
 import random
 import subprocess
 import sys
@@ -197,7 +198,7 @@ def test_router_attached_late_is_partial_and_learns_from_vllms_answers() -> None
                 assert time.monotonic() < deadline, f"replicas not partial after attach: {trust}"
                 time.sleep(0.2)  # polling another process's state
             rows = []
-            for _ in range(40):
+            for _ in range(150):
                 settle(admin, 1.0)
                 prompt = [*systems[rng.randrange(3)], *words(rng, rng.randrange(8, 60))]
                 r = client.post(
@@ -217,4 +218,6 @@ def test_router_attached_late_is_partial_and_learns_from_vllms_answers() -> None
     exact = sum(1 for row in rows if row[1] == row[2])
     print(f"late attach on real vLLM: {exact}/{len(rows)} exact; rows {rows}")
     assert any(row[2] > 0 for row in rows), "no request hit the cache: the test proves nothing"
-    assert exact >= len(rows) - 12, rows
+    # Measured 149/150 (the one miss: the first request, on a prefix cached before attach,
+    # which no event or answer had shown yet). Issue 12 asks >= 99 %.
+    assert exact >= math.ceil(0.99 * len(rows)), rows

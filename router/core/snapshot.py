@@ -45,6 +45,10 @@ class ReplicaSnapshot(msgspec.Struct, forbid_unknown_fields=True):
     """Per tier, per group index: ``(wire hash, copies)`` of every key held."""
     streams: dict[str, int] = {}
     """Event stream name -> last applied sequence number (filled by the server)."""
+    started_at: float | None = None
+    """The replica's ``process_start_time_seconds`` when the snapshot was taken: its epoch.
+    Sequence numbers restart at 0 with the process, so a replica that restarted since and has
+    published past the saved sequence would otherwise look continuous."""
 
 
 class PoolSnapshot(msgspec.Struct, forbid_unknown_fields=True):

@@ -84,6 +84,8 @@ class _StateCollector(Collector):
                     "unknown_removals",
                     "conformance_mismatches",
                     "inferred_blocks",
+                    "resets",
+                    "late_attaches",
                 ):
                     outcomes.add_metric([name, rep, outcome], getattr(rs, outcome))
             for stream, st in pool["stream_stats"].items():

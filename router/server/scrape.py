@@ -10,45 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 
 import httpx
 
-from router.server.state import ReplicaState, RouterState
+from router.server.state import PoolState, ReplicaState, RouterState
+from router.server.vllm_metrics import parse_start_time, parse_vllm_metrics, restarted
 
-__all__ = ["others_load", "parse_vllm_metrics", "scrape_forever", "scrape_once"]
+__all__ = ["others_load", "scrape_forever", "scrape_once", "scrape_replica"]
 
 log = logging.getLogger("kvrouter.scrape")
-
-_METRIC = re.compile(
-    rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"
-    rb"|vllm:gpu_cache_usage_perc)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)",
-    re.M,
-)
-_ENGINE = re.compile(rb'engine="(\d+)"')
-_NAMES = {
-    b"vllm:num_requests_running": "running",
-    b"vllm:num_requests_waiting": "waiting",
-    b"vllm:kv_cache_usage_perc": "kv_usage",
-    b"vllm:gpu_cache_usage_perc": "kv_usage",
-}
-
-
-def parse_vllm_metrics(text: bytes) -> dict[str, dict[int, float]]:
-    """running / waiting / kv_usage per engine (DP rank; -1 when unlabelled), summed."""
-    out: dict[str, dict[int, float]] = {"running": {}, "waiting": {}, "kv_usage": {}}
-    for m in _METRIC.finditer(text):
-        name, labels, value = m.groups()
-        em = _ENGINE.search(labels or b"")
-        rank = int(em.group(1)) if em else -1
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        d = out[_NAMES[name]]
-        d[rank] = d.get(rank, 0.0) + v
-    return out
 
 
 def others_load(
@@ -76,8 +47,10 @@ def others_load(
     return others_r, others_w
 
 
-async def scrape_replica(rep: ReplicaState, timeout: float) -> None:
-    """One scrape of one replica; a failure is kept in ``rep.scrape_error``, never raised."""
+async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> None:
+    """One scrape of one replica; a failure is kept in ``rep.scrape_error``, never raised.
+    A changed process start time is a restart: the pool re-reads the replica's streams from
+    the new process's start (:meth:`PoolState.replica_restarted`)."""
     path = rep.cfg.metrics_path
     if path is None:
         return
@@ -96,13 +69,22 @@ async def scrape_replica(rep: ReplicaState, timeout: float) -> None:
     )
     rep.scraped_at = time.time()
     rep.scrape_error = None
+    started = parse_start_time(r.content)
+    if restarted(rep.started_at, started):
+        old = rep.started_at
+        rep.started_at = started
+        await pool.replica_restarted(
+            rep.name, f"its process start time changed from {old:.0f} to {started:.0f}"
+        )
+    elif started is not None:
+        rep.started_at = started
 
 
 async def scrape_once(state: RouterState) -> None:
     """Scrape every replica of every pool concurrently."""
     timeout = state.config.server.connect_timeout_s
-    reps = [r for p in state.pools.values() for r in p.replicas.values()]
-    await asyncio.gather(*(scrape_replica(r, timeout) for r in reps))
+    reps = [(p, r) for p in state.pools.values() for r in list(p.replicas.values())]
+    await asyncio.gather(*(scrape_replica(p, r, timeout) for p, r in reps))
 
 
 async def scrape_forever(state: RouterState) -> None:

@@ -10,6 +10,7 @@ retire.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import socket
@@ -31,6 +32,7 @@ from router.core.tokenize import RequestTokenizer, make_tokenizer
 from router.server.ingest import IndexFeeder
 from router.server.metrics import RouterMetrics
 from router.server.upstream import UpstreamPool
+from router.server.vllm_metrics import parse_start_time, restarted
 
 __all__ = ["PoolState", "ReplicaState", "RouteChoice", "RouterState"]
 
@@ -64,6 +66,10 @@ class ReplicaState:
     scraped_at: float | None = None
     scrape_error: str | None = None
     failures: int = 0
+    started_at: float | None = None
+    """The replica's ``process_start_time_seconds`` (its epoch; router.server.scrape)."""
+    restarts: int = 0
+    """Restarts seen from a changed start time (its streams were read anew each time)."""
     subscriber: AsyncSubscriber | None = None
     streams: dict[str, ReplicaKey] = field(default_factory=dict)
     feeder: IndexFeeder | None = None
@@ -87,6 +93,8 @@ class ReplicaState:
             "kv_usage": self.kv_usage or None,
             "scrape_error": self.scrape_error,
             "failures": self.failures,
+            "started_at": self.started_at,
+            "restarts": self.restarts,
             "streams": {s: f"{k[0]}/dp{k[1]}" for s, k in self.streams.items()},
         }
 
@@ -137,10 +145,14 @@ class PoolState:
     # -------------------------------------------------------------- replicas
 
     async def add_replica(
-        self, rcfg: ReplicaConfig, restored: dict[str, int] | None = None
+        self,
+        rcfg: ReplicaConfig,
+        restored: dict[str, int] | None = None,
+        started_at: float | None = None,
     ) -> ReplicaState:
         """Connect a replica. ``restored``: its state was loaded from a snapshot, and maps each
-        of its streams to the last batch applied there (the ring is asked from the next)."""
+        of its streams to the last batch applied there (the ring is asked from the next);
+        ``started_at`` is the process start time that state belongs to."""
         if rcfg.name in self.replicas:
             raise ValueError(f"replica {rcfg.name!r} already exists in pool {self.name!r}")
         s = self.router.config.server
@@ -154,11 +166,26 @@ class PoolState:
                 socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
             ),
         )
-        rep = ReplicaState(rcfg, client, upstream, rcfg.ranks())
+        rep = ReplicaState(rcfg, client, upstream, rcfg.ranks(), started_at=started_at)
         for r in rep.ranks:
             rep.in_flight[r] = 0
             rep.pending_prefill[r] = 0
             self.index.add_replica(rcfg.name, r)
+        try:
+            await self._open_streams(rep, restored)
+        except Exception:
+            await client.aclose()
+            await upstream.aclose()
+            for r in rep.ranks:
+                self.index.remove_replica(rcfg.name, r)
+            raise
+        self.replicas[rcfg.name] = rep
+        return rep
+
+    async def _open_streams(self, rep: ReplicaState, restored: dict[str, int] | None) -> None:
+        """Subscribe to the replica's event streams, from its ring's start or, for state
+        restored from a snapshot, after the last batch applied there."""
+        rcfg = rep.cfg
         specs = []
         for sc in rcfg.stream_list():
             sname = f"{self.name}/{rcfg.name}/dp{sc.dp_rank}"
@@ -192,22 +219,35 @@ class PoolState:
             sub = AsyncSubscriber(
                 specs, on_item=on_item, replay_timeout=self.router.config.index.replay_timeout_s
             )
-            try:
-                await sub.start()
-            except Exception:
-                await client.aclose()
-                await upstream.aclose()
-                for r in rep.ranks:
-                    self.index.remove_replica(rcfg.name, r)
-                raise
+            await sub.start()
             rep.subscriber = sub
         else:
             for r in rep.ranks:
                 self.index.mark_untrusted(
                     (rcfg.name, r), "no event endpoint configured: routed by load only"
                 )
-        self.replicas[rcfg.name] = rep
-        return rep
+
+    async def replica_restarted(self, name: str, why: str) -> None:
+        """The replica is a new process (vLLM restarts with an empty cache, its sequence
+        numbers from 0, and says nothing, spec §5 item 14). Its state is wiped and its streams
+        are read again from the new process's ring start, so a restart is noticed even when
+        the new process has already published past the old sequence number."""
+        rep = self.replicas.get(name)
+        if rep is None:
+            return
+        log.warning("replica %s restarted (%s): its index state is read anew", name, why)
+        rep.restarts += 1
+        if rep.subscriber is not None:
+            sub, rep.subscriber = rep.subscriber, None
+            try:
+                await sub.close()
+            except SubscriberError:
+                log.exception("event subscriber of replica %r had failed", name)
+        for r in rep.ranks:
+            if self.speculative is not None:
+                self.speculative.forget_replica((name, r))
+            self.index.reset_replica((name, r))
+        await self._open_streams(rep, None)
 
     async def remove_replica(self, name: str) -> None:
         rep = self.replicas.pop(name)
@@ -348,6 +388,26 @@ class PoolState:
         )
 
 
+async def _start_times(replicas: list[ReplicaConfig], router: RouterState) -> dict[str, float]:
+    """Each replica's current process start time (router.server.scrape), read once before a
+    snapshot is loaded; replicas that cannot be read are left out."""
+    timeout = router.config.server.connect_timeout_s
+
+    async def one(rcfg: ReplicaConfig) -> tuple[str, float | None]:
+        if rcfg.metrics_path is None:
+            return rcfg.name, None
+        try:
+            async with httpx.AsyncClient(base_url=rcfg.url, timeout=timeout) as client:
+                r = await client.get(rcfg.metrics_path)
+                r.raise_for_status()
+        except httpx.HTTPError:
+            return rcfg.name, None
+        return rcfg.name, parse_start_time(r.content)
+
+    found = await asyncio.gather(*(one(r) for r in replicas))
+    return {name: t for name, t in found if t is not None}
+
+
 def _get(d: dict[int, float], rank: int, avg: bool = False) -> Any:
     if not d:
         return None
@@ -398,19 +458,32 @@ class RouterState:
                 self.models[name] = pool
             psnap = saved.get(pcfg.model)
             by_key = {(r.name, r.dp_rank): r for r in psnap.replicas} if psnap else {}
+            saved_names = {name for name, _ in by_key}
+            now = await _start_times([r for r in pcfg.replicas if r.name in saved_names], self)
             for rcfg in pcfg.replicas:
                 restored: dict[str, int] = {}
+                started_at = now.get(rcfg.name)
                 for rank in rcfg.ranks():
                     rsnap = by_key.get((rcfg.name, rank))
                     if rsnap is None or psnap is None:
                         continue
+                    if restarted(rsnap.started_at, started_at):
+                        log.warning(
+                            "replica %s restarted since the snapshot (process start %.0f, now "
+                            "%.0f): its saved state is not loaded, its ring is read instead",
+                            rcfg.name, rsnap.started_at, started_at,
+                        )  # fmt: skip
+                        continue
+                    if started_at is None:
+                        # unreachable now: keep the saved epoch, the first scrape checks it
+                        started_at = rsnap.started_at
                     pool.index.import_replica(
                         rsnap,
                         learned=psnap.learned_groups,
                         source=psnap.layout_source == f"{rcfg.name}/dp{rank}",
                     )
                     restored.update(rsnap.streams)
-                await pool.add_replica(rcfg, restored or None)
+                await pool.add_replica(rcfg, restored or None, started_at)
         self.started = True
 
     def index_snapshot(self) -> IndexSnapshot:
@@ -423,6 +496,7 @@ class RouterState:
                 applied = rep.feeder.applied if rep.feeder is not None else {}
                 for sname, key in rep.streams.items():
                     snap = p.index.export_replica(key)
+                    snap.started_at = rep.started_at
                     if sname in applied:
                         snap.streams = {sname: applied[sname]}
                     reps.append(snap)

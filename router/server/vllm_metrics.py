@@ -1,0 +1,59 @@
+"""What the router reads in a vLLM replica's Prometheus ``/metrics``: load per engine (DP
+rank) and the process start time, the replica's epoch. Pure parsing; the scrape loop is
+:mod:`router.server.scrape`."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["RESTART_TOLERANCE_S", "parse_start_time", "parse_vllm_metrics", "restarted"]
+
+_METRIC = re.compile(
+    rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"
+    rb"|vllm:gpu_cache_usage_perc)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)",
+    re.M,
+)
+_ENGINE = re.compile(rb'engine="(\d+)"')
+_START = re.compile(rb"^process_start_time_seconds(?:\{[^}]*\})?\s+([-+0-9.eE]+)", re.M)
+RESTART_TOLERANCE_S = 0.05
+"""Start times closer than this are the same process. The process collector derives the
+time from boot time and clock ticks (10 ms), stable across scrapes; no vLLM restarts faster."""
+_NAMES = {
+    b"vllm:num_requests_running": "running",
+    b"vllm:num_requests_waiting": "waiting",
+    b"vllm:kv_cache_usage_perc": "kv_usage",
+    b"vllm:gpu_cache_usage_perc": "kv_usage",
+}
+
+
+def parse_vllm_metrics(text: bytes) -> dict[str, dict[int, float]]:
+    """running / waiting / kv_usage per engine (DP rank; -1 when unlabelled), summed."""
+    out: dict[str, dict[int, float]] = {"running": {}, "waiting": {}, "kv_usage": {}}
+    for m in _METRIC.finditer(text):
+        name, labels, value = m.groups()
+        em = _ENGINE.search(labels or b"")
+        rank = int(em.group(1)) if em else -1
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        d = out[_NAMES[name]]
+        d[rank] = d.get(rank, 0.0) + v
+    return out
+
+
+def parse_start_time(text: bytes) -> float | None:
+    """The replica process's ``process_start_time_seconds`` (vLLM's API server exports the
+    Prometheus client's process collector): the replica's epoch, or None if absent."""
+    m = _START.search(text)
+    if m is None:
+        return None
+    try:
+        return float(m.group(1))
+    except ValueError:
+        return None
+
+
+def restarted(known: float | None, seen: float | None) -> bool:
+    """Whether a newly scraped start time means a different process than the known one."""
+    return known is not None and seen is not None and abs(seen - known) > RESTART_TOLERANCE_S
