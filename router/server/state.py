@@ -64,6 +64,8 @@ class ReplicaState:
     scraped_at: float | None = None
     scrape_error: str | None = None
     failures: int = 0
+    last_error: str | None = None
+    """The latest proxy failure on this replica, with its address (kept out of client errors)."""
     subscriber: AsyncSubscriber | None = None
     streams: dict[str, ReplicaKey] = field(default_factory=dict)
     feeder: IndexFeeder | None = None
@@ -87,6 +89,7 @@ class ReplicaState:
             "kv_usage": self.kv_usage or None,
             "scrape_error": self.scrape_error,
             "failures": self.failures,
+            "last_error": self.last_error,
             "streams": {s: f"{k[0]}/dp{k[1]}" for s, k in self.streams.items()},
         }
 
