@@ -15,6 +15,7 @@ source it came from: ``router.toml: Expected `int`, got `str` - at `$.server.por
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -39,12 +40,14 @@ __all__ = [
     "TokenizerConfig",
     "apply_overrides",
     "env_overrides",
+    "is_loopback",
     "load_config",
     "parse_config",
 ]
 
 ENV_PREFIX = "KVROUTER_"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ORIGIN = re.compile(r"^https?://[^/\s?#]+$")
 
 
 class ConfigError(ValueError):
@@ -59,9 +62,25 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     port: int = 8000
     admin_enabled: bool = True
     admin_token: str | None = None
-    """Bearer token of ``/admin``. Required when ``host`` is not a loopback address."""
+    """Bearer token of ``/admin``. Required when ``host`` is not a loopback address. Without
+    it, admin requests must also name a loopback ``Host`` (no DNS-rebound names)."""
+    api_key: str | None = None
+    """Bearer key of every ``/v1/*`` path, as vLLM's ``--api-key`` (``Authorization: Bearer
+    <key>``; 401 otherwise). Unset: ``/v1/*`` is open."""
     max_body_bytes: int = 8 << 20
-    """Larger request bodies get 413 before anything is parsed."""
+    """Larger bodies of the two proxied routes get 413 before anything is parsed."""
+    admin_max_body_bytes: int = 1 << 20
+    """The body limit of every other route (``/admin`` and anything else)."""
+    admin_endpoint_schemes: tuple[Literal["tcp", "ipc", "inproc"], ...] = ("tcp",)
+    """ZeroMQ schemes a replica added through ``POST /admin/replicas`` may use for its event
+    and replay endpoints (the config file may use any). ``ipc`` names a path on this host and
+    ``inproc`` this process's sockets: allow them only where every admin caller may."""
+    admin_allow_bind: bool = False
+    """Whether ``POST /admin/replicas`` may add a replica with ``bind = true`` (the router then
+    binds a socket on this host). Even then an ``ipc://`` path that exists is refused."""
+    admin_allowed_origins: tuple[str, ...] = ()
+    """Browser origins (``scheme://host[:port]``) besides the router's own that may send admin
+    mutations. Any other ``Origin`` (or ``Sec-Fetch-Site: cross-site``) gets 403."""
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     """Longest silence between two bytes of a replica's response."""
@@ -79,14 +98,21 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        for f in ("max_body_bytes", "admin_max_body_bytes"):
+            if getattr(self, f) < 1024:
+                raise ValueError(f"{f} must be >= 1024, got {getattr(self, f)}")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise ValueError("timeouts must be > 0 seconds")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.metrics_scrape_interval_s < 0:
             raise ValueError("metrics_scrape_interval_s must be >= 0 (0 disables scraping)")
+        for origin in self.admin_allowed_origins:
+            if not _ORIGIN.match(origin):
+                raise ValueError(
+                    f"admin_allowed_origins: {origin!r} is not an origin; write "
+                    "scheme://host[:port] with no path, e.g. https://ops.example:8443"
+                )
 
 
 class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -324,16 +350,30 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def redacted(self) -> dict[str, Any]:
         """The config as JSON-ready data, secrets replaced (for ``GET /admin/config``)."""
         data = msgspec.to_builtins(self)
-        if data["server"].get("admin_token"):
-            data["server"]["admin_token"] = "***"
+        for secret in ("admin_token", "api_key"):
+            if data["server"].get(secret):
+                data["server"][secret] = "***"
         return data
 
 
-_LOOPBACK = ("127.", "::1", "localhost", "[::1]")
-
-
 def is_loopback(host: str) -> bool:
-    return host.startswith(_LOOPBACK) or host == "::1"
+    """Whether ``host`` (an address, ``[v6]`` or a name) can only mean this machine.
+
+    Decided from the parsed address (``ipaddress``: ``127.0.0.0/8``, ``::1``, an IPv4-mapped
+    ``::ffff:127.x``); of names, ``localhost`` alone counts. A string-prefix test would take
+    ``localhost.attacker.example`` or ``127.0.0.1.nip.io``, which resolve anywhere."""
+    h = host.strip()
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    if h.lower() == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(h)
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
@@ -355,6 +395,8 @@ def _coerce(cls: type, field: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     default = getattr(cls(), field)
+    if isinstance(default, tuple):  # a list from env: comma-separated
+        return [x.strip() for x in value.split(",") if x.strip()]
     if isinstance(default, bool):
         low = value.strip().lower()
         if low in ("1", "true", "yes", "on"):

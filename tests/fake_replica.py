@@ -153,11 +153,18 @@ class FakeReplica:
             self.last_headers = dict(request.headers)
             if self.fail_status:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=self.fail_status)
-            body = msgspec.json.decode(await request.body())
-            self.last_body = body
-            ids = tokens(kind, body)
+            try:  # what vLLM would refuse with 400 (a fuzzer sends anything the schema allows)
+                body = msgspec.json.decode(await request.body())
+                self.last_body = body
+                ids = tokens(kind, body)
+                if not ids or not all(type(t) is int and 0 <= t < 1 << 31 for t in ids):
+                    raise ValueError("prompt must be a non-empty text or list of token ids")
+                n_out = min(64, max(1, int(body.get("max_tokens") or 4)))
+            except Exception as exc:
+                err = {"message": f"{type(exc).__name__}: {exc}", "type": "BadRequestError",
+                       "param": None, "code": 400}  # fmt: skip
+                return JSONResponse({"error": err}, status_code=400)
             hit = self.serve_prompt(ids) + self.lie_by
-            n_out = int(body.get("max_tokens") or 4)
             words = [f"w{(ids[-1] + i) % 100}" for i in range(n_out)]
             usage = {
                 "prompt_tokens": len(ids),
@@ -207,6 +214,10 @@ class FakeReplica:
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
             return await complete("chat", request)
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
         @app.post("/tokenize")
         async def tokenize(request: Request) -> Response:

@@ -180,7 +180,7 @@ class SimCluster:
         self.replicas: dict[str, SimReplica] = {}
         self.router: ServerThread | None = None
         self.http: httpx.Client | None = None
-        self.admin = {"authorization": f"Bearer {TOKEN}"}
+        self.admin = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
         try:
             for name in names:
                 self.replicas[name] = SimReplica(name, num_blocks, buffer_steps=buffer_steps)

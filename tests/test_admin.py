@@ -162,7 +162,6 @@ def test_refuses_admin_on_public_host_without_token() -> None:
     create_app(parse_config('[server]\nhost = "0.0.0.0"\nadmin_enabled = false\n' + BASE))
 
 
-
 def test_removing_a_replica_whose_subscriber_died_releases_everything(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -183,7 +182,7 @@ def test_removing_a_replica_whose_subscriber_died_releases_everything(
         app = create_app(parse_config(router_toml({"x": (fake, srv)})))
         state = app.state.router
         with ServerThread(app) as router, httpx.Client(base_url=router.url, timeout=10) as http:
-            h = {"authorization": f"Bearer {TOKEN}"}
+            h = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
 
             def entries() -> int:
                 return http.get("/admin/index", headers=h).json()["pools"][0]["entries"]
@@ -193,8 +192,10 @@ def test_removing_a_replica_whose_subscriber_died_releases_everything(
             monkeypatch.setattr(StreamProcessor, "on_live", on_live)
             sub = state.pools[MODEL].replicas["x"].subscriber
             wait_for(
-                lambda: fake.serve_prompt(tokenizer.encode(words(6, 64))) is None
-                or sub._core.failure is not None,
+                lambda: (
+                    fake.serve_prompt(tokenizer.encode(words(6, 64))) is None
+                    or sub._core.failure is not None
+                ),
                 10,
                 "the subscriber's reader to hit the injected bug",
             )

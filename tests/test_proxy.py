@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,16 +19,21 @@ from router.server.app import create_app
 TOKEN = "t0ken"
 
 
-def router_toml(reps: dict[str, tuple[FakeReplica, ServerThread]], **server: Any) -> str:
+def router_toml(
+    reps: dict[str, tuple[FakeReplica, ServerThread]],
+    admin_token: str | None = TOKEN,
+    **server: Any,
+) -> str:
+    """A one-pool router config in front of ``reps``; ``server`` adds ``[server]`` keys."""
     groups = (
         '{kind = "full_attention", block_size = 16}, '
         '{kind = "sliding_window", block_size = 16, sliding_window = 48}'
     )
     assert len(LAYOUT.groups) == 2
-    lines = ["[server]", f'admin_token = "{TOKEN}"', "metrics_scrape_interval_s = 0.2"]
-    lines += [
-        f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in server.items()
-    ]
+    lines = ["[server]", "metrics_scrape_interval_s = 0.2"]
+    if admin_token is not None:
+        lines.append(f'admin_token = "{admin_token}"')
+    lines += [f"{k} = {_toml(v)}" for k, v in server.items()]
     lines += ["[[pools]]", f'model = "{MODEL}"', "[pools.layout]", f"groups = [{groups}]"]
     for name, (fake, srv) in reps.items():
         lines += [
@@ -40,16 +46,33 @@ def router_toml(reps: dict[str, tuple[FakeReplica, ServerThread]], **server: Any
     return "\n".join(lines) + "\n"
 
 
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return json.dumps(v) if isinstance(v, str) else repr(v)
+
+
 class Cluster:
-    def __init__(self, **server: Any) -> None:
+    """A router in this process in front of fake replicas (``a``, ``b``, ``c`` by default);
+    ``server`` adds ``[server]`` keys."""
+
+    def __init__(
+        self, names: tuple[str, ...] = ("a", "b", "c"), admin_token: str | None = TOKEN,
+        **server: Any,
+    ) -> None:  # fmt: skip
         self.fakes: dict[str, tuple[FakeReplica, ServerThread]] = {}
-        for name in ("a", "b", "c"):
+        for name in names:
             fake = FakeReplica(name)
             self.fakes[name] = (fake, ServerThread(fake.app).start())
-        self.config = parse_config(router_toml(self.fakes, **server))
+        self.config = parse_config(router_toml(self.fakes, admin_token, **server))
         self.router = ServerThread(create_app(self.config)).start()
         self.http = httpx.Client(base_url=self.router.url, timeout=10)
-        self.admin = {"authorization": f"Bearer {TOKEN}"}
+        self.admin = {"content-type": "application/json"}
+        """Headers of admin calls: the token, and the JSON content type admin changes need."""
+        if admin_token:
+            self.admin["authorization"] = f"Bearer {admin_token}"
 
     def fake(self, name: str) -> FakeReplica:
         return self.fakes[name][0]
@@ -94,6 +117,12 @@ class Cluster:
         for fake, srv in self.fakes.values():
             srv.stop()
             fake.close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @pytest.fixture(scope="module")

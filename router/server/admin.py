@@ -1,23 +1,32 @@
 """``/admin``: read and command the very objects the proxy uses (no second copy of state).
 
-Every route needs ``Authorization: Bearer <server.admin_token>`` when a token is configured
-(401 without credentials, 403 with a wrong token). Without a token the API is only served on
-a loopback host (router.server.state refuses to start otherwise).
+Who may call it is decided before a body byte is read, by :mod:`router.server.doors`
+(``Authorization: Bearer <server.admin_token>``, loopback ``Host`` when no token is set,
+JSON content type and no cross-site ``Origin`` for changes). The router's dependency asks the
+same ``guard`` again, so these routes stay locked wherever they are mounted; its
+``HTTPBearer`` scheme documents the token in the OpenAPI schema. What a replica added here may
+be (endpoint schemes, bind, the model it serves) is :mod:`router.server.admission`'s. Errors
+are OpenAI errors (:mod:`router.server.errors`).
 """
 
 from __future__ import annotations
 
-import hmac
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, Request, Security
 from fastapi.responses import Response
+from fastapi.security import HTTPBearer
 from pydantic import BaseModel, Field
 
+from events.subscriber import SubscriberError
 from router.config import ReplicaConfig
 from router.core.snapshot import encode_snapshot
+from router.server.admission import check_endpoints, check_models
+from router.server.doors import Refusal
+from router.server.errors import ApiError
 from router.server.state import PoolState, RouterState
 
 __all__ = ["admin_router"]
@@ -39,37 +48,41 @@ class ReplicaIn(BaseModel):
 
     pool: str = Field(description="the pool's model name")
     replica: dict[str, Any]
+    verify_model: bool = Field(
+        True,
+        description="check the replica's GET /v1/models lists the pool's model (and aliases) "
+        "before adding it; false adds a replica that is not up yet",
+    )
 
 
-def admin_router(state: RouterState) -> APIRouter:
-    token = state.config.server.admin_token
+def admin_router(
+    state: RouterState, guard: Callable[[dict[str, Any]], Refusal | None]
+) -> APIRouter:
+    """The ``/admin`` routes; ``guard`` is :meth:`router.server.doors.Doors.admin`."""
+    bearer = HTTPBearer(auto_error=False, description="server.admin_token, when set")
 
-    def auth(request: Request) -> None:
-        if not token:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise HTTPException(
-                401, "admin API needs 'Authorization: Bearer <token>'",
-                headers={"WWW-Authenticate": "Bearer"},
-            )  # fmt: skip
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(403, "wrong admin token")
+    def locked(request: Request) -> None:
+        refusal = guard(request.scope)
+        if refusal is not None:
+            raise ApiError(
+                refusal.status,
+                refusal.message,
+                headers={k.decode(): v.decode() for k, v in refusal.headers},
+            )
 
-    r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(auth)])
+    r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Security(bearer), Depends(locked)])
 
-    def pool_of(model: str | None) -> PoolState:
+    def pool_of(model: str | None, param: str = "model") -> PoolState:
         p = state.pool_for(model)
         if p is None:
-            raise HTTPException(404, f"no pool serves model {model!r}; see GET /v1/models")
+            raise ApiError(404, f"no pool serves model {model!r}; see GET /v1/models", param)
         return p
 
     def find_replica(name: str) -> tuple[PoolState, Any]:
         for p in state.pools.values():
             if name in p.replicas:
                 return p, p.replicas[name]
-        raise HTTPException(404, f"no replica named {name!r}; see GET /admin/replicas")
+        raise ApiError(404, f"no replica named {name!r}; see GET /admin/replicas", "name")
 
     @r.get("/replicas", summary="Replicas of every pool with their load and state")
     async def replicas() -> dict[str, Any]:
@@ -87,15 +100,21 @@ def admin_router(state: RouterState) -> APIRouter:
 
     @r.post("/replicas", status_code=201, summary="Add a replica to a pool")
     async def add_replica(body: ReplicaIn) -> dict[str, Any]:
-        pool = pool_of(body.pool)
+        pool = pool_of(body.pool, "pool")
         try:
             rcfg = msgspec.convert(body.replica, ReplicaConfig)
         except msgspec.ValidationError as exc:
-            raise HTTPException(422, f"replica: {exc}") from None
+            raise ApiError(422, f"replica: {exc}", "replica") from None
+        if rcfg.name in pool.replicas:
+            raise ApiError(409, f"replica {rcfg.name!r} already exists in pool {pool.name!r}",
+                           "replica.name")  # fmt: skip
+        check_endpoints(rcfg, state.config.server)
+        if body.verify_model:
+            await check_models(rcfg, pool.cfg, state.config.server)
         try:
             rep = await pool.add_replica(rcfg)
-        except ValueError as exc:
-            raise HTTPException(409, str(exc)) from None
+        except (ValueError, SubscriberError) as exc:  # EndpointError: cannot bind / connect
+            raise ApiError(409, str(exc), "replica") from None
         return rep.as_dict()
 
     @r.delete("/replicas/{name}", summary="Remove a replica (its index state is dropped)")
@@ -121,7 +140,7 @@ def admin_router(state: RouterState) -> APIRouter:
         pool = pool_of(body.model)
         given = [x for x in (body.prompt, body.messages, body.token_ids) if x is not None]
         if len(given) != 1:
-            raise HTTPException(422, "give exactly one of prompt, messages or token_ids")
+            raise ApiError(422, "give exactly one of prompt, messages or token_ids")
         req: dict[str, Any] = {"cache_salt": body.cache_salt}
         if body.add_special_tokens is not None:
             req["add_special_tokens"] = body.add_special_tokens
@@ -138,8 +157,8 @@ def admin_router(state: RouterState) -> APIRouter:
         t0 = time.perf_counter()
         try:
             choice = pool.decide(ids, req, explain=True, reason=reason)
-        except Exception as exc:
-            raise HTTPException(503, str(exc)) from None
+        except Exception as exc:  # NoCandidates
+            raise ApiError(503, str(exc)) from None
         elapsed = time.perf_counter() - t0
         scores = {s.key: s for s in choice.decision.ranked}
         rows = []

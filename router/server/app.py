@@ -1,10 +1,14 @@
 """The router's ASGI app: the factory and its lifespan.
 
-The app is a thin dispatcher: ``POST /v1/completions`` and ``/v1/chat/completions`` go straight
-to :class:`router.server.proxy.Proxy` (the hot path, raw ASGI, no framework on it); every other
-path goes to a FastAPI app (``/v1/models``, ``/health``, ``/metrics``, ``/admin``). This is the
-one module that knows every face; the state it hands them (:mod:`router.server.state`) knows
-none of them, so no face reaches around another.
+The app is a thin dispatcher. Every HTTP request first meets the doors
+(:mod:`router.server.doors`: API key, admin token, origin, content type, body size, from the
+head alone); then ``POST /v1/completions`` and ``/v1/chat/completions`` go straight to
+:class:`router.server.proxy.Proxy` (the hot path, raw ASGI, no framework on it) and every other
+request, its body read within ``server.admin_max_body_bytes``, goes to a FastAPI app
+(``/v1/models``, ``/health``, ``/metrics``, ``/admin``, the schema). Every error is an OpenAI
+error (:mod:`router.server.errors`), a bug's included. This is the one module that knows every
+face; the state it hands them (:mod:`router.server.state`) knows none of them, so no face
+reaches around another.
 
 The lifespan starts the pools (their replicas' event subscribers run on the serving loop, so the
 index is read and written by one thread only) and the ``/metrics`` scraper, and stops both.
@@ -25,7 +29,10 @@ from fastapi.responses import JSONResponse, Response
 
 from router.config import RouterConfig, is_loopback
 from router.server.admin import admin_router
+from router.server.doors import Doors, Refusal
+from router.server.errors import install_error_handlers, json_errors, send_error
 from router.server.metrics import CONTENT_TYPE
+from router.server.openapi_routes import document_proxied
 from router.server.persist import load_snapshot, snapshot_forever, write_snapshot
 from router.server.proxy import Proxy
 from router.server.scrape import scrape_forever
@@ -84,6 +91,12 @@ def create_app(config: RouterConfig) -> Any:
     api = FastAPI(title="kvrouter", lifespan=lifespan, version="0.1.0")
     api.state.router = state
 
+    def refused(reason: str) -> None:
+        state.metrics.refused.labels(reason).inc()
+
+    install_error_handlers(api, refused)
+    document_proxied(api)
+
     @api.get("/health")
     async def health() -> Response:
         if not state.started:
@@ -103,20 +116,33 @@ def create_app(config: RouterConfig) -> Any:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    doors = Doors(config.server, refused)
     if config.server.admin_enabled:
-        api.include_router(admin_router(state))
+        api.include_router(admin_router(state, doors.admin))
 
     proxy = Proxy(state)
-    routes = {b"/v1/completions": "completion", b"/v1/chat/completions": "chat"}
+    routes = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            kind = routes.get(scope.get("raw_path") or scope["path"].encode())
-            if kind is not None:
-                await proxy.handle(kind, scope, receive, send)
+    async def dispatch(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await api(scope, receive, send)
+            return
+        refusal = doors.check(scope)
+        if refusal is None:
+            if scope["method"] == "POST":
+                # the decoded path, as the doors and FastAPI's routing read it
+                kind = routes.get(scope["path"])
+                if kind is not None:
+                    await proxy.handle(kind, scope, receive, send)
+                    return
+            bounded = await doors.bounded_receive(receive)
+            if not isinstance(bounded, Refusal):
+                await api(scope, bounded, send)
                 return
-        await api(scope, receive, send)
+            refusal = bounded
+        await send_error(send, refusal.status, refusal.message, headers=refusal.headers)
 
+    app = json_errors(dispatch)
     app.state = api.state  # type: ignore[attr-defined]
     app.fastapi = api  # type: ignore[attr-defined]
     return app

@@ -14,6 +14,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="listen port (overrides server.port)")
     parser.add_argument("--admin-token", help="bearer token of /admin (prefer the env var)")
     parser.add_argument(
+        "--api-key",
+        help="bearer key every /v1/* request must carry, as vLLM's --api-key "
+        "(overrides server.api_key; prefer KVROUTER_API_KEY)",
+    )
+    parser.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="log level"
     )
     parser.add_argument(
@@ -28,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "admin_token": args.admin_token,
+        "api_key": args.api_key,
         "log_level": args.log_level,
     }
     try:

@@ -149,6 +149,13 @@ class RouterMetrics:
             "kvrouter_prediction_checked", "Predictions compared with cached_tokens",
             ["replica"], registry=r,
         )  # fmt: skip
+        self.refused = Counter(
+            "kvrouter_refused_requests",
+            "Requests answered with an error before reaching a replica (auth, origin, content "
+            "type, body size, malformed body, unknown path or model), by reason",
+            ["reason"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "kvrouter_in_flight", "Requests in flight per replica", ["replica"], registry=r
         )

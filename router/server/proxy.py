@@ -2,7 +2,11 @@
 
 Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it costs).
 
-* Bodies above ``server.max_body_bytes`` get 413 before anything is parsed.
+* Bodies above ``server.max_body_bytes`` get 413 before anything is parsed. A body that is
+  not a JSON object (invalid JSON or UTF-8, nested too deep), or whose fields the router reads
+  (``model``, ``prompt``, ``messages``, ``stream``, ``cache_salt``) have the wrong type, gets
+  400; every error is an OpenAI error (:mod:`router.server.errors`) and names no replica
+  address (those go to the log and ``GET /admin/replicas``' ``last_error``).
 * Hop-by-hop headers are dropped both ways; ``x-request-id`` is propagated or created.
 * **Failover.** The upstream response is not forwarded until its first chunk is in. A connect
   error, a timeout or a 5xx before that moves to the next replica in the decision's ranking
@@ -32,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from router.server.errors import error_body
 from router.server.state import ReplicaState, RouteChoice, RouterState
 from router.server.stream_usage import UsageStripper, request_usage
 from router.server.upstream import UpstreamError
@@ -66,8 +71,40 @@ _encode = msgspec.json.encode
 _TAIL = 8192
 
 
-def _error_body(message: str, type_: str, code: int) -> bytes:
-    return _encode({"error": {"message": message, "type": type_, "param": None, "code": code}})
+def _field_problem(kind: str, body: dict[str, Any]) -> tuple[str, str] | None:
+    """(param, message) for a field the router reads whose type is wrong, else None. vLLM
+    refuses these too; the router must, since it acts on them (``stream: "false"`` would be
+    streamed)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        return "model", "`model` must be a string"
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        return "stream", "`stream` must be true or false"
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        return "cache_salt", "`cache_salt` must be a string"
+    if kind == "completion":
+        prompt = body.get("prompt")
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            return "prompt", "`prompt` must be a string, a list of strings or token ids"
+        return None
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return "messages", "`messages` must be a list of message objects"
+    return None
+
+
+def _decode_problem(raw: bytes) -> tuple[Any, str | None]:
+    """The decoded body, or None and why it cannot be (a client's fault, never a 500)."""
+    try:
+        return _decode.decode(raw), None
+    except msgspec.DecodeError as exc:
+        return None, f"the body is not valid JSON: {exc}"
+    except UnicodeDecodeError as exc:
+        return None, f"the body is not valid UTF-8 at byte {exc.start}"
+    except RecursionError:
+        return None, "the body's JSON is nested too deeply"
 
 
 class _Upstream(Exception):
@@ -87,15 +124,24 @@ class Proxy:
         self._m = m
 
     async def _send_simple(
-        self, send: Any, status: int, body: bytes, request_id: bytes, extra: list | None = None
+        self,
+        send: Any,
+        status: int,
+        message: str,
+        request_id: bytes,
+        *,
+        param: str | None = None,
+        reason: str | None = None,
     ) -> None:
+        """An OpenAI error; ``reason``: count it as a refusal with this label."""
+        if reason is not None:
+            self._m.refused.labels(reason).inc()
+        body = error_body(status, message, param)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"x-request-id", request_id),
         ]
-        if extra:
-            headers.extend(extra)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -107,12 +153,7 @@ class Proxy:
             if k == b"x-request-id":
                 request_id = v
             elif k == b"content-length" and v.isdigit() and int(v) > limit:
-                await self._send_simple(
-                    send,
-                    413,
-                    _error_body(f"request body exceeds {limit} bytes", "BadRequestError", 413),
-                    request_id or b"-",
-                )
+                await self._too_large(send, request_id or b"-")
                 return
             if k not in HOP_BY_HOP:
                 fwd.append((k, v))
@@ -130,43 +171,39 @@ class Proxy:
             if b:
                 size += len(b)
                 if size > limit:
-                    await self._send_simple(
-                        send,
-                        413,
-                        _error_body(f"request body exceeds {limit} bytes", "BadRequestError", 413),
-                        request_id,
-                    )
+                    await self._too_large(send, request_id)
                     return
                 chunks.append(b)
             if not msg.get("more_body"):
                 break
         raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        try:
-            body = _decode.decode(raw)
-        except msgspec.DecodeError as exc:
-            await self._send_simple(
-                send, 400, _error_body(f"invalid JSON body: {exc}", "BadRequestError", 400),
-                request_id,
-            )  # fmt: skip
+        body, problem = _decode_problem(raw)
+        if problem is None and not isinstance(body, dict):
+            problem = "the body must be a JSON object"
+        if problem is not None:
+            await self._send_simple(send, 400, problem, request_id, reason="malformed_body")
             return
-        if not isinstance(body, dict):
+        field = _field_problem(kind, body)
+        if field is not None:
             await self._send_simple(
-                send, 400, _error_body("body must be a JSON object", "BadRequestError", 400),
-                request_id,
-            )  # fmt: skip
+                send, 400, field[1], request_id, param=field[0], reason="bad_field"
+            )
             return
         model = body.get("model")
         pool = self.state.pool_for(model)
         if pool is None:
+            if model is None:
+                msg = (
+                    "`model` is required: this router serves "
+                    f"{', '.join(sorted(self.state.models))} (GET /v1/models)"
+                )
+                await self._send_simple(
+                    send, 400, msg, request_id, param="model", reason="no_model"
+                )
+                return
+            msg = f"The model `{model}` does not exist; GET /v1/models lists the models served"
             await self._send_simple(
-                send,
-                404,
-                _error_body(
-                    f"The model `{model}` does not exist; GET /v1/models lists the models served",
-                    "NotFoundError",
-                    404,
-                ),
-                request_id,
+                send, 404, msg, request_id, param="model", reason="unknown_model"
             )
             return
         t0 = time.perf_counter()
@@ -191,9 +228,7 @@ class Proxy:
             except Exception as exc:  # NoCandidates
                 if last_error is not None:
                     break
-                await self._send_simple(
-                    send, 503, _error_body(str(exc), "ServiceUnavailableError", 503), request_id
-                )
+                await self._send_simple(send, 503, str(exc), request_id)
                 return
             if attempt == 0:
                 self._m.decision_seconds.labels(pool.name).observe(time.perf_counter() - t0)
@@ -213,15 +248,27 @@ class Proxy:
                 if pool.speculative is not None:
                     pool.speculative.discard(choice.insertion)
                 rep.failures += 1
+                rep.last_error = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {rep.cfg.url}: {exc}"
                 self._m.failovers.labels(key[0]).inc()
-                log.warning("replica %s failed before the first byte: %s", key[0], exc)
+                log.warning(
+                    "replica %s (%s) failed before the first byte: %s", key[0], rep.cfg.url, exc
+                )
         if last_error is not None and last_error.response is not None:
             status, headers, data = last_error.response
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": data})
             return
-        msg = f"no replica could serve the request ({last_error})"
-        await self._send_simple(send, 502, _error_body(msg, "BadGatewayError", 502), request_id)
+        # the causes name replica addresses: they are in the log and /admin, not for clients
+        msg = (
+            f"no replica could serve the request (request id {request_id.decode('latin-1')}; "
+            "the causes are in the router's log and GET /admin/replicas)"
+        )
+        await self._send_simple(send, 502, msg, request_id)
+
+    async def _too_large(self, send: Any, request_id: bytes) -> None:
+        limit = self.cfg.max_body_bytes
+        msg = f"request body exceeds {limit} bytes (server.max_body_bytes)"
+        await self._send_simple(send, 413, msg, request_id, reason="body_too_large")
 
     async def _forward(
         self,
@@ -316,11 +363,9 @@ class Proxy:
                 except UpstreamError as exc:
                     if first:
                         raise _Upstream(str(exc)) from None
-                    err = _error_body(
-                        f"replica {label} failed mid-stream: {exc}",
-                        "BadGatewayError",
-                        502,
-                    )
+                    rep.last_error = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} mid-stream: {exc}"
+                    log.warning("replica %s (%s) failed mid-stream: %s", label, rep.cfg.url, exc)
+                    err = error_body(502, f"replica {label} failed mid-stream")
                     await send(
                         {
                             "type": "http.response.body",

@@ -70,6 +70,8 @@ class ReplicaState:
     """The replica's ``process_start_time_seconds`` (its epoch; router.server.scrape)."""
     restarts: int = 0
     """Restarts seen from a changed start time (its streams were read anew each time)."""
+    last_error: str | None = None
+    """The latest proxy failure on this replica, with its address (kept out of client errors)."""
     subscriber: AsyncSubscriber | None = None
     streams: dict[str, ReplicaKey] = field(default_factory=dict)
     feeder: IndexFeeder | None = None
@@ -95,6 +97,7 @@ class ReplicaState:
             "failures": self.failures,
             "started_at": self.started_at,
             "restarts": self.restarts,
+            "last_error": self.last_error,
             "streams": {s: f"{k[0]}/dp{k[1]}" for s, k in self.streams.items()},
         }
 

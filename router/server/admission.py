@@ -1,0 +1,104 @@
+"""What a replica added through ``POST /admin/replicas`` may be.
+
+The config file is the operator's word; an admin call may come from anyone holding the token
+(or, with no token, from anyone on this host), so what it can make the router do is bounded:
+
+* **Endpoints**: only the ZeroMQ schemes of ``server.admin_endpoint_schemes`` (``tcp`` by
+  default). An ``ipc://`` path names a file on this host and ``inproc://`` this process's own
+  sockets.
+* **Binding**: ``bind = true`` makes the router bind a socket on this host; refused unless
+  ``server.admin_allow_bind``. Even then an ``ipc://`` path that exists is refused: ZeroMQ
+  unlinks whatever is there before it binds, so an admin call could destroy any file the
+  router can write.
+* **Model**: the replica's own ``GET /v1/models`` must list every name the pool answers to
+  (clients' ``model`` field is forwarded unchanged, so a replica serving another model would
+  answer them 404). ``verify_model = false`` skips this for a replica not up yet.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+
+from router.config import PoolConfig, ReplicaConfig, ServerConfig
+from router.server.errors import ApiError
+
+__all__ = ["check_endpoints", "check_models"]
+
+
+def _endpoints(rcfg: ReplicaConfig) -> list[tuple[str, str]]:
+    """(field, endpoint) of every ZeroMQ address the replica config names."""
+    out = [(f, ep) for f in ("event_endpoint", "replay_endpoint") if (ep := getattr(rcfg, f))]
+    for i, s in enumerate(rcfg.streams):
+        out.append((f"streams[{i}].endpoint", s.endpoint))
+        if s.replay_endpoint:
+            out.append((f"streams[{i}].replay_endpoint", s.replay_endpoint))
+    return out
+
+
+def check_endpoints(rcfg: ReplicaConfig, server: ServerConfig) -> None:
+    """Raise :class:`ApiError` (403, 409) for an endpoint or bind the admin API may not use."""
+    allowed = set(server.admin_endpoint_schemes)
+    for field, ep in _endpoints(rcfg):
+        scheme = ep.partition("://")[0]
+        if scheme not in allowed:
+            raise ApiError(
+                403,
+                f"replica.{field}: {scheme}:// endpoints cannot be added through the admin API "
+                f"(server.admin_endpoint_schemes = {sorted(allowed)}); use tcp://HOST:PORT, or "
+                "put the replica in the config file",
+                f"replica.{field}",
+            )
+    if not rcfg.bind:
+        return
+    if not server.admin_allow_bind:
+        raise ApiError(
+            403,
+            "replica.bind: the admin API may not make the router bind sockets "
+            "(server.admin_allow_bind = false); let the replica bind and the router connect",
+            "replica.bind",
+        )
+    for field, ep in _endpoints(rcfg):
+        binds = field == "event_endpoint" or field.endswith("].endpoint")  # replay connects
+        if binds and ep.startswith("ipc://"):
+            path = ep[len("ipc://") :]
+            if path != "*" and not path.startswith("@") and os.path.lexists(path):
+                raise ApiError(
+                    409,
+                    f"replica.{field}: {path} exists; binding there would replace it with a "
+                    "socket. Choose a path that does not exist",
+                    f"replica.{field}",
+                )
+
+
+async def check_models(rcfg: ReplicaConfig, pool: PoolConfig, server: ServerConfig) -> None:
+    """Raise :class:`ApiError` (409) unless the replica's ``/v1/models`` lists every name of
+    ``pool``."""
+    names = [pool.model, *pool.aliases]
+    url = rcfg.url.rstrip("/") + "/v1/models"
+    skip = 'or add it with "verify_model": false if it is not up yet'
+    try:
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(5.0, connect=server.connect_timeout_s)
+        ) as client:
+            r = await client.get(url)
+        if r.status_code != 200:
+            raise ValueError(f"HTTP {r.status_code}")
+        served = [m.get("id") for m in r.json()["data"] if isinstance(m, dict)]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise ApiError(
+            409,
+            f"replica {rcfg.name!r}: cannot read {url} to check it serves {pool.model!r} "
+            f"({type(exc).__name__}: {exc}); start it first, {skip}",
+            "replica.url",
+        ) from None
+    missing = [n for n in names if n not in served]
+    if missing:
+        raise ApiError(
+            409,
+            f"replica {rcfg.name!r} at {rcfg.url} serves {served}, not {missing} (pool "
+            f"{pool.model!r}): clients would get its 404. Add it to the pool of its model, "
+            f"{skip}",
+            "replica.url",
+        )
