@@ -125,7 +125,8 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_block_size: int = 1 << 16
     """Stores announcing a larger ``block_size`` (tokens) are refused, never learned."""
     max_extra_tiers: int = 8
-    """Distinct connector ``medium`` names kept as tiers of their own besides GPU/CPU/STORAGE."""
+    """Connector ``medium`` names each replica may bring as tiers of their own besides
+    GPU/CPU/STORAGE (per replica: one replica's junk names never crowd out another's)."""
     warn_interval_s: float = 60.0
     """One log warning per (replica, reason) per interval; every occurrence is counted."""
     snapshot_path: str | None = None

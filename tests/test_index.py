@@ -116,6 +116,16 @@ def test_all_blocks_cleared_wipes_only_that_replica_and_every_tier() -> None:
     assert index.entries == 1
 
 
+def test_a_clear_after_stores_in_the_same_batch_wipes_them() -> None:
+    """The wipe skips a replica that holds nothing, so it must see the batch's own stores."""
+    index = make()
+    index.apply_events(A, [stored([1, 2]), stored([3], medium="CPU"), AllBlocksCleared()])
+    assert not present(index, A, 0, 1) and not present(index, A, 0, 3, "CPU")
+    assert index.entries == 0 and index.stats()[0].blocks == 0
+    index.lost_events(A, "nothing held: nothing to scan")
+    assert index.entries == 0 and not index.is_trusted(A)
+
+
 def test_tiers_are_separate() -> None:
     index = make()
     index.apply_events(A, [stored([1], medium="CPU")])

@@ -71,6 +71,18 @@ def test_unknown_medium_is_kept_as_its_own_tier_and_never_crashes() -> None:
     assert set(index.tiers()) == {"GPU", "CPU", "STORAGE", "REMOTE_SSD", "T2"}
 
 
+def test_one_replicas_junk_media_leave_anothers_tier_budget_alone() -> None:
+    """The budget of extra tiers is per replica. It was pool-wide: byte-flipped media of one
+    hostile replica ("CPV", ".PU", ...; tests/test_router_fuzz.py made 8 in 6,000 frames) used
+    it up, and another replica's connector store was then refused and that replica untrusted."""
+    index = make(limits=IndexLimits(max_extra_tiers=2))
+    index.apply_events(A, [stored([1], medium=m) for m in ("CPV", ".PU", "GQU")])
+    assert errors(index, A) == {"refused_medium": 1} and not trusted(index, A)
+    index.apply_events(B, [stored([2], medium="lmcache"), stored([3], medium="cpv")])
+    assert trusted(index, B) and errors(index, B) == {}
+    assert present(index, B, 0, 2, tier="LMCACHE") and present(index, B, 0, 3, tier="CPV")
+
+
 def test_out_of_range_group_idx_is_refused_without_allocating() -> None:
     index = make()
     tracemalloc.start()

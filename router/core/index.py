@@ -126,8 +126,9 @@ class IndexLimits:
     """Largest ``block_size`` a store may announce (tokens). A bigger one is refused, not
     learned: a learned layout with a huge block would make every prediction 0."""
     max_extra_tiers: int = 8
-    """Tiers beyond GPU/CPU/STORAGE (a connector's own ``medium`` names) kept under their own
-    name; past this many distinct names, stores on new ones are refused."""
+    """Tiers beyond GPU/CPU/STORAGE (a connector's own ``medium`` names) each replica may bring:
+    a store naming a new tier past this many of its own is refused. Per replica, so one
+    replica's junk names never use up the budget another's connector needs."""
     warn_interval_s: float = 60.0
     """One log warning per (replica, reason) per interval; every occurrence is still counted."""
 
@@ -186,6 +187,8 @@ class _Replica:
     """This replica's own view of the groups (learned mode): kind, window, largest block."""
     ingest_errors: dict[str, int] = field(default_factory=dict)
     warned: dict[str, float] = field(default_factory=dict)
+    tiers_made: int = 0
+    """Tiers this replica's events created (IndexLimits.max_extra_tiers bounds it)."""
     """Last warning time per reason label (the rate limit of IndexLimits.warn_interval_s)."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
@@ -701,7 +704,7 @@ class KVIndex:
                             entries -= 1
                     counters["removed_blocks"] += len(ev.block_hashes)
                 elif cls is AllBlocksCleared:
-                    self.entries = entries
+                    self.entries, rep.blocks = entries, held
                     self._wipe(rep)
                     entries, held = self.entries, 0
                     counters["clears"] += 1
@@ -730,7 +733,7 @@ class KVIndex:
 
     def _new_tier(self, rep: _Replica, medium: object) -> str | None:
         """The tier a ``medium`` spelling names, memoized; None (counted, replica untrusted)
-        when it is not a string or would be one tier too many.
+        when it is not a string or would be one tier too many for ``rep``.
 
         vLLM writes ``"GPU"``/``"CPU"``; its Mooncake store connector writes ``"cpu"``, so
         names are case-insensitive. A connector's own name is kept as its own tier rather than
@@ -741,7 +744,9 @@ class KVIndex:
             return None
         name = medium.upper()
         if name not in self._tiers:
-            if len(self._tiers) >= len(TIERS) + self.limits.max_extra_tiers:
+            # Counted per replica: a pool-wide count let one replica's junk names exhaust it,
+            # and another replica's connector stores were then refused (it went untrusted).
+            if rep.tiers_made >= self.limits.max_extra_tiers:
                 self._refuse(
                     rep,
                     "medium",
@@ -749,6 +754,7 @@ class KVIndex:
                 )
                 return None
             self._tiers[name] = _Tier()
+            rep.tiers_made += 1
         if len(self._tier_of) < 256:  # spellings are memoized, but never without bound
             self._tier_of[medium] = name
         return name
@@ -934,6 +940,11 @@ class KVIndex:
         )
 
     def _wipe(self, rep: _Replica) -> None:
+        """Drop every key and copy of ``rep``. This scans every table (O(index)), so a replica
+        that holds nothing is skipped: a hostile stream's run of broken frames, each one lost
+        events, would otherwise cost a full scan per frame on the serving loop."""
+        if not rep.blocks and not rep.extra:
+            return
         bit, slot, keep = rep.bit, rep.slot, ~rep.bit
         for tier in self._tiers.values():
             for table, extra in zip(tier.tables, tier.extra, strict=True):
