@@ -219,3 +219,29 @@ def test_unreadable_token_ids_in_a_root_store_are_a_bad_frame_not_bad_settings()
     assert errors(index, A) == {"refused_token_ids": 1} and index.trust(A) == "untrusted"
     index.apply_events(A, [AllBlocksCleared()])
     assert index.trust(A) == "exact", "a clear lifts it: it was a bad frame, not bad settings"
+
+
+def test_a_confirmed_layout_does_not_grow_by_the_source_alone() -> None:
+    """The source replica (the first to publish) going bad: once another replica's view has
+    confirmed the learned layout, one stray group from the source used to make the pool three
+    groups, and every other replica then predicted 0 while still trusted."""
+    index = make(layout=LEARN)
+    index.apply_events(A, hybrid_batch(100))  # A is the source
+    before = index.layout
+    index.apply_events(B, hybrid_batch(200))  # B confirms
+    assert index.layout is before
+    index.apply_events(A, [stored([7], group=2)])
+    assert index.layout is before, "the confirmed layout stays"
+    assert not trusted(index, A) and "group count" in (index.untrusted_reason(A) or "")
+    assert errors(index, A) == {"layout_conflict": 1}
+    assert trusted(index, B) and present(index, B, 0, 200)
+
+
+def test_an_unconfirmed_source_still_extends_its_layout() -> None:
+    """Alone (no other view yet), the source may still show a group later (a partial first
+    store): the rule above only freezes a layout another replica has confirmed."""
+    index = make(layout=LEARN)
+    index.apply_events(A, [stored([1])])
+    assert index.layout is not None and len(index.layout.layout.groups) == 1
+    index.apply_events(A, hybrid_batch(100))
+    assert len(index.layout.layout.groups) == 2 and trusted(index, A)

@@ -563,6 +563,21 @@ class KVIndex:
         n = max(own) + 1
         if len(own) != n or n < len(pool):
             return None  # a gap in this view: wait for its missing groups
+        if pool and n > len(pool):
+            confirmed_by = self._confirmer(rep)
+            if confirmed_by is not None:
+                # vLLM publishes every group with a replica's first stores, so a layout another
+                # replica has confirmed does not legitimately grow later: one replica (even the
+                # source) cannot make every other one predict 0 by adding a group
+                return str(
+                    LayoutConflict(
+                        "group count (the layout is confirmed by "
+                        f"{confirmed_by.name}/dp{confirmed_by.dp_rank})",
+                        len(pool),
+                        n,
+                        where,
+                    )
+                )
         layout = msgspec.structs.replace(self.declared, groups=tuple(own[i] for i in range(n)))
         try:
             resolved = resolve(layout)
@@ -572,6 +587,22 @@ class KVIndex:
         self._learned = dict(own)
         self._resolved = resolved
         self._layout_source = rep.slot
+        return None
+
+    def _confirmer(self, rep: _Replica) -> _Replica | None:
+        """Another replica whose own view holds every group of the pool's layout, alike."""
+        pool = self._learned
+        for o in self._replicas.values():
+            if o is rep:
+                continue
+            view = o.learned
+            if all(
+                (s := view.get(g)) is not None
+                and s.kind == have.kind
+                and s.sliding_window == have.sliding_window
+                for g, have in pool.items()
+            ):
+                return o
         return None
 
     def _may_grow(self, rep: _Replica, g: int, have: GroupSpec) -> bool:
