@@ -2,12 +2,17 @@
 
 The app is a thin dispatcher: ``POST /v1/completions`` and ``/v1/chat/completions`` go straight
 to :class:`router.server.proxy.Proxy` (the hot path, raw ASGI, no framework on it); every other
-path goes to a FastAPI app (``/v1/models``, ``/health``, ``/metrics``, ``/admin``). This is the
-one module that knows every face; the state it hands them (:mod:`router.server.state`) knows
-none of them, so no face reaches around another.
+path goes to a FastAPI app (``/v1/models``, ``/health``, ``/ready``, ``/metrics``,
+``/admin``). This is the one module that knows every face; the state it hands them
+(:mod:`router.server.state`) knows none of them, so no face reaches around another.
 
 The lifespan starts the pools (their replicas' event subscribers run on the serving loop, so the
-index is read and written by one thread only) and the ``/metrics`` scraper, and stops both.
+index is read and written by one thread only), the ``/metrics`` scraper and the health prober
+(router.server.health), and stops them.
+
+``GET /health`` is liveness: 200 while the process serves. ``GET /ready`` is readiness: 200
+when every pool has a routable replica with its event streams connected, else 503, both with
+a JSON body saying what is missing (router.server.health.readiness).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from router.config import RouterConfig, is_loopback
 from router.server.admin import admin_router
+from router.server.health import probe_forever, readiness
 from router.server.metrics import CONTENT_TYPE
 from router.server.persist import load_snapshot, snapshot_forever, write_snapshot
 from router.server.proxy import Proxy
@@ -62,6 +68,8 @@ def create_app(config: RouterConfig) -> Any:
         tasks = []
         if config.server.metrics_scrape_interval_s > 0:
             tasks.append(loop.create_task(scrape_forever(state)))
+        if config.health.probe_interval_s > 0:
+            tasks.append(loop.create_task(probe_forever(state)))
         path = config.index.snapshot_path
         if path and config.index.snapshot_interval_s > 0:
             tasks.append(
@@ -84,11 +92,17 @@ def create_app(config: RouterConfig) -> Any:
     api = FastAPI(title="kvrouter", lifespan=lifespan, version="0.1.0")
     api.state.router = state
 
-    @api.get("/health")
+    @api.get("/health", summary="Liveness: 200 while the router process serves")
     async def health() -> Response:
-        if not state.started:
-            return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @api.get(
+        "/ready",
+        summary="Readiness: 200 when every pool has a routable replica with connected events",
+    )
+    async def ready() -> Response:
+        ok, body = readiness(state)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @api.get("/v1/models")
     async def models() -> Response:
