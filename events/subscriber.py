@@ -224,13 +224,14 @@ class _Core:
                 sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
                 sock.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
                 sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-                self.endpoints[spec.name] = bind_or_connect(sock, spec.endpoint, bind=spec.bind)
                 if not spec.bind and not spec.endpoint.startswith("inproc://"):
+                    # Before connecting: a connection made at once must not go unseen.
                     idx = len(self._subs) - 1
                     self._monitors[idx] = sock.get_monitor_socket(
                         zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
                     )
                     self.procs[idx].stats.connected = False
+                self.endpoints[spec.name] = bind_or_connect(sock, spec.endpoint, bind=spec.bind)
         except Exception:
             self._close_sockets()
             raise

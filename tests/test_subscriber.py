@@ -1162,6 +1162,9 @@ def test_connected_follows_the_publisher(mode: str) -> None:
         finally:
             if pub is not None:
                 pub.close()
+    # a publisher already there when the subscriber connects: seen too
+    with EventPublisher(LOOPBACK) as pub, make(mode, [StreamSpec("d", pub.endpoint)]) as h:
+        wait_for(lambda: h.stats()["d"].connected, what="connected at once")
     # a bound SUB cannot tell
     with EventPublisher(LOOPBACK) as spare:
         bound = spare.endpoint
