@@ -125,7 +125,7 @@ def test_a_killed_replica_leaves_rotation_within_the_window_and_comes_back(
     warm(cluster, dead, prefix)
     ask = prefix + " " + words(rng, 20)
     assert cluster.explain(prompt=ask)["chosen"]["replica"] == dead  # the best by cache
-    assert cluster.client.get("/ready").status_code == 200
+    wait_for(lambda: cluster.client.get("/ready").status_code == 200, 10, "ready")
 
     t0 = time.monotonic()
     cluster.replicas[dead].stop_http()
@@ -328,9 +328,12 @@ def test_ready_says_what_is_missing_and_health_stays_ok(probed: SimCluster) -> N
         r = cluster.client.get("/ready")
         return r.status_code, r.json()
 
-    wait_for(lambda: ready()[0] == 200, 10, "ready")
-    body = ready()[1]
+    # every replica ready once its event stream has connected
+    body = wait_for(
+        lambda: (r := ready()) and len(r[1]["pools"][MODEL]["ready"]) == 3 and r[1], 10, "ready"
+    )
     assert body["status"] == "ready" and sorted(body["pools"][MODEL]["ready"]) == ["a", "b", "c"]
+    assert body["pools"][MODEL]["not_ready"] == {} and "missing" not in body
 
     for rep in cluster.replicas.values():
         rep.stop_http()
