@@ -225,10 +225,12 @@ class _Core:
                 sock.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
                 sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
                 if not spec.bind and not spec.endpoint.startswith("inproc://"):
-                    # Before connecting: a connection made at once must not go unseen.
+                    # Before connecting: a connection made at once must not go unseen. A
+                    # handshake, not a TCP connect: a loopback connect to a free port can
+                    # meet itself (TCP simultaneous open), which no publisher answers.
                     idx = len(self._subs) - 1
                     self._monitors[idx] = sock.get_monitor_socket(
-                        zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                     )
                     self.procs[idx].stats.connected = False
                 self.endpoints[spec.name] = bind_or_connect(sock, spec.endpoint, bind=spec.bind)
@@ -353,8 +355,8 @@ class _Core:
                 out = []
 
     def _on_monitor(self, idx: int, monitor: zmq.Socket) -> None:
-        """Track a connecting SUB's connection (``StreamStats.connected``) and re-open it when
-        it dropped.
+        """Track a connecting SUB's connection (``StreamStats.connected``: a ZMTP handshake
+        succeeded and no drop since) and re-open it when it dropped.
 
         libzmq reconnects by itself after a network error, but not after a protocol error,
         and a frame over ``max_message_bytes`` is one: without this, one oversize message
@@ -375,7 +377,7 @@ class _Core:
             if event == zmq.EVENT_DISCONNECTED:
                 drops += 1
                 connected = False
-            elif event == zmq.EVENT_CONNECTED:
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 connected = True
         proc = self.procs[idx]
         if not drops:
@@ -385,7 +387,7 @@ class _Core:
             return
         with self.lock:
             proc.stats.disconnects += drops
-            proc.stats.connected = False  # until the new connection's EVENT_CONNECTED
+            proc.stats.connected = False  # until the new connection's handshake
         sock, endpoint = self._subs[idx], self.endpoints[proc.name]
         log.warning(
             "stream %s: connection to %s dropped (publisher gone, or a frame over "
