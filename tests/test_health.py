@@ -41,9 +41,10 @@ PASSIVE = """
 [health]
 probe_interval_s = 0
 eject_after_failures = 2
-eject_base_s = 0.5
-eject_max_s = 4.0
+eject_base_s = 1.0
+eject_max_s = 8.0
 """
+"""1 s: the checks made while the first ejection lasts take a few HTTP round trips."""
 
 
 @pytest.fixture()
@@ -205,8 +206,8 @@ def test_a_replica_whose_health_fails_gets_no_request_until_it_passes(probed: Si
 def test_failed_attempts_eject_with_a_growing_back_off_and_a_trial_decides(
     passive: SimCluster,
 ) -> None:
-    """No probes: only requests tell. Two failures in a row eject the replica for 0.5 s; it
-    is then half-open, and a failed trial ejects it for 1 s; with nothing else routable the
+    """No probes: only requests tell. Two failures in a row eject the replica for 1 s; it
+    is then half-open, and a failed trial ejects it for 2 s; with nothing else routable the
     pool still tries it (panic) rather than answer 503; once it serves, a trial puts it back."""
     cluster, dead = passive, "c"
     rng = random.Random("passive")
@@ -239,16 +240,15 @@ def test_failed_attempts_eject_with_a_growing_back_off_and_a_trial_decides(
         complete(cluster.client, words(rng, 30))
     assert cluster.metric("kvrouter_failovers_total", replica=dead) == failovers + 2
 
-    # Half-open after 0.5 s; the only candidate left, its trial fails: ejected for 1 s.
+    # Half-open after 1 s; the only candidate left, its trial fails: ejected for 2 s.
     wait_for(lambda: state(cluster, dead) == "half_open", 5, "half-open")
     drain(cluster, "a", "b")
     try:
-        r = complete(cluster.client, words(rng, 30), status=502)
-        assert "ConnectError" in r.text or "connect" in r.text.lower()
+        complete(cluster.client, words(rng, 30), status=502)
         health = cluster.health(dead)
         assert health["state"] == "ejected" and health["ejections"] == 2
-        assert 0.5 < health["ejected_until"] - time.time() <= 1.0
-        assert health["next_backoff_s"] == 2.0
+        assert 1.0 < health["ejected_until"] - time.time() <= 2.0
+        assert health["next_backoff_s"] == 4.0
 
         # Nothing routable: the pool panics and tries it anyway (a 502, not a 503).
         ex = cluster.explain(prompt=words(rng, 30))
@@ -265,7 +265,7 @@ def test_failed_attempts_eject_with_a_growing_back_off_and_a_trial_decides(
         assert r.headers["x-kvrouter-replica"] == dead
         health = cluster.health(dead)
         assert health["state"] == "healthy" and health["consecutive_failures"] == 0
-        assert health["next_backoff_s"] == 0.5
+        assert health["next_backoff_s"] == 1.0
         assert pool_sample(cluster, "kvrouter_replica_ejected", dead) == 0
     finally:
         drain(cluster, "a", "b", undo=True)
