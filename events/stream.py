@@ -187,6 +187,10 @@ class StreamStats(msgspec.Struct):
     """Times the connection to a publisher the subscriber connects to dropped: a publisher
     restart, the network, or a frame over ``max_message_bytes`` (libzmq drops the
     connection rather than allocate it). The subscriber reconnects; what was lost is a gap."""
+    connected: bool | None = None
+    """Whether the subscriber holds a connection to the publisher now: its ZMTP handshake
+    succeeded and the connection has not dropped since (a stream whose SUB connects;
+    ``None`` where it cannot tell: a bound SUB, ``inproc://``)."""
     consumer_errors: int = 0
     """Exceptions raised by the consumer's callback (logged, then delivery goes on)."""
     last_seq: int | None = None

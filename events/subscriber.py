@@ -54,6 +54,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from events.endpoints import bind_or_connect, offset_endpoint_port, validate_endpoint
 from events.stream import (
@@ -76,7 +77,7 @@ log = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
 _LIVE = 0
 _REPLAY = 1
-_MONITOR = 2  # a connecting SUB's socket monitor (disconnections)
+_MONITOR = 2  # a connecting SUB's socket monitor (connections and disconnections)
 _BURST = 256  # messages read from one socket before looking at the others
 #: Seconds :class:`Subscriber` waits for its thread to open the sockets; only a wedged
 #: machine takes more than milliseconds.
@@ -223,10 +224,16 @@ class _Core:
                 sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
                 sock.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
                 sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-                self.endpoints[spec.name] = bind_or_connect(sock, spec.endpoint, bind=spec.bind)
                 if not spec.bind and not spec.endpoint.startswith("inproc://"):
+                    # Before connecting: a connection made at once must not go unseen. A
+                    # handshake, not a TCP connect: a loopback connect to a free port can
+                    # meet itself (TCP simultaneous open), which no publisher answers.
                     idx = len(self._subs) - 1
-                    self._monitors[idx] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                    self._monitors[idx] = sock.get_monitor_socket(
+                        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                    )
+                    self.procs[idx].stats.connected = False
+                self.endpoints[spec.name] = bind_or_connect(sock, spec.endpoint, bind=spec.bind)
         except Exception:
             self._close_sockets()
             raise
@@ -310,7 +317,7 @@ class _Core:
                     continue
                 idx, kind, reader = key
                 if kind == _MONITOR:
-                    self._reconnect(idx, reader)
+                    self._on_monitor(idx, reader)
                     continue
                 proc = procs[idx]
                 for _ in range(_BURST):
@@ -347,8 +354,9 @@ class _Core:
                 await self._deliver(out)  # the sink owns the list from here
                 out = []
 
-    def _reconnect(self, idx: int, monitor: zmq.Socket) -> None:
-        """Re-open a connecting SUB whose connection dropped.
+    def _on_monitor(self, idx: int, monitor: zmq.Socket) -> None:
+        """Track a connecting SUB's connection (``StreamStats.connected``: a ZMTP handshake
+        succeeded and no drop since) and re-open it when it dropped.
 
         libzmq reconnects by itself after a network error, but not after a protocol error,
         and a frame over ``max_message_bytes`` is one: without this, one oversize message
@@ -356,17 +364,30 @@ class _Core:
         harmless (it only replaces libzmq's own retry). What was lost meanwhile is a
         sequence gap, replayed or reported as usual."""
         drops = 0
+        connected: bool | None = None
         while True:
             try:
-                monitor.recv_multipart(zmq.NOBLOCK)
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            drops += 1
-        if not drops:
-            return
+            try:
+                event = parse_monitor_message(frames)["event"]
+            except Exception:  # pragma: no cover - libzmq's own two-frame format
+                continue
+            if event == zmq.EVENT_DISCONNECTED:
+                drops += 1
+                connected = False
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                connected = True
         proc = self.procs[idx]
+        if not drops:
+            if connected is not None:
+                with self.lock:
+                    proc.stats.connected = connected
+            return
         with self.lock:
             proc.stats.disconnects += drops
+            proc.stats.connected = False  # until the new connection's handshake
         sock, endpoint = self._subs[idx], self.endpoints[proc.name]
         log.warning(
             "stream %s: connection to %s dropped (publisher gone, or a frame over "
@@ -725,6 +746,11 @@ class AsyncSubscriber:
     def stats(self) -> dict[str, StreamStats]:
         """A snapshot of every stream's counters, by stream name."""
         return self._core.stats()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception the reader task died of (it then delivers nothing more), or None."""
+        return self._core.failure
 
     async def start(self) -> AsyncSubscriber:
         if self._core.started:

@@ -4,7 +4,8 @@ Precedence, highest first (documented for operators in ``config/router-sim.toml`
 
 1. command-line flags of ``kvrouter serve`` (``--host``, ``--port``, ``--admin-token``, ...);
 2. environment variables ``KVROUTER_<FIELD>`` for ``[server]`` fields (``KVROUTER_PORT``,
-   ``KVROUTER_ADMIN_TOKEN``, ...) and ``KVROUTER_INDEX_<FIELD>`` for ``[index]`` fields;
+   ``KVROUTER_ADMIN_TOKEN``, ...), ``KVROUTER_INDEX_<FIELD>`` for ``[index]`` fields and
+   ``KVROUTER_HEALTH_<FIELD>`` for ``[health]`` fields;
 3. the TOML file given with ``--config``;
 4. the defaults below.
 
@@ -30,6 +31,7 @@ from router.core.index import IndexLimits
 
 __all__ = [
     "ConfigError",
+    "HealthConfig",
     "IndexConfig",
     "PolicyConfig",
     "PoolConfig",
@@ -166,6 +168,59 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             max_extra_tiers=self.max_extra_tiers,
             warn_interval_s=self.warn_interval_s,
         )
+
+
+class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """When a replica is taken out of rotation and when it comes back (router.core.health).
+
+    Two signals, combined: an *active probe* (``GET probe_path`` on every replica, 200 =
+    up) and *passive outlier ejection* (consecutive proxied attempts that failed before the
+    first response byte). A replica is routable while its probe says up and it is not
+    ejected; an ejection lasts ``eject_base_s * 2**k`` (``k``: ejections since its last
+    success, capped at ``eject_max_s``), then one trial request or probe decides."""
+
+    probe_interval_s: float = 2.0
+    """Seconds between two probes of a replica (0: no probes, passive ejection only)."""
+    probe_timeout_s: float = 1.0
+    """A probe that has no answer after this long failed."""
+    probe_path: str = "/health"
+    """vLLM's liveness route: 200 while its engine is alive."""
+    unhealthy_threshold: int = 2
+    """Consecutive failed probes that mark a replica down."""
+    healthy_threshold: int = 1
+    """Consecutive successful probes that bring a down replica back (half-open)."""
+    eject_after_failures: int = 3
+    """Consecutive attempts failed before the first byte (connect error, timeout, 5xx) that
+    eject a replica."""
+    eject_base_s: float = 5.0
+    """The first ejection's length; each further one without a success in between doubles."""
+    eject_max_s: float = 120.0
+    """The longest ejection."""
+
+    def __post_init__(self) -> None:
+        if self.probe_interval_s < 0:
+            raise ValueError("probe_interval_s must be >= 0 (0 disables the probes)")
+        if self.probe_timeout_s <= 0:
+            raise ValueError("probe_timeout_s must be > 0")
+        if not self.probe_path.startswith("/"):
+            raise ValueError(f"probe_path must start with '/', got {self.probe_path!r}")
+        for f in ("unhealthy_threshold", "healthy_threshold", "eject_after_failures"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if not 0 < self.eject_base_s <= self.eject_max_s:
+            raise ValueError(
+                f"need 0 < eject_base_s <= eject_max_s, got {self.eject_base_s} and "
+                f"{self.eject_max_s}"
+            )
+
+    def window_s(self) -> float:
+        """The longest a dead replica stays routable once the probes see it gone (the probe
+        after the one that failed first: ``unhealthy_threshold`` probes, each up to
+        ``probe_timeout_s``); ``inf`` without probes."""
+        if self.probe_interval_s == 0:
+            return float("inf")
+        n = self.unhealthy_threshold
+        return n * self.probe_interval_s + n * self.probe_timeout_s
 
 
 class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -330,6 +385,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     server: ServerConfig = ServerConfig()
     index: IndexConfig = IndexConfig()
+    health: HealthConfig = HealthConfig()
     pools: tuple[PoolConfig, ...] = ()
 
     def __post_init__(self) -> None:
@@ -377,11 +433,20 @@ def is_loopback(host: str) -> bool:
     return addr.is_loopback
 
 
+_SECTIONS: dict[str, type] = {
+    "server": ServerConfig,
+    "index": IndexConfig,
+    "health": HealthConfig,
+}
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    """``KVROUTER_<FIELD>`` -> server.<field>, ``KVROUTER_INDEX_<FIELD>`` -> index.<field>."""
-    out: dict[str, dict[str, str]] = {"server": {}, "index": {}}
+    """``KVROUTER_<FIELD>`` -> server.<field>, ``KVROUTER_INDEX_<FIELD>`` -> index.<field>,
+    ``KVROUTER_HEALTH_<FIELD>`` -> health.<field>."""
+    out: dict[str, dict[str, str]] = {s: {} for s in _SECTIONS}
     for section, cls, prefix in (
         ("index", IndexConfig, ENV_PREFIX + "INDEX_"),
+        ("health", HealthConfig, ENV_PREFIX + "HEALTH_"),
         ("server", ServerConfig, ENV_PREFIX),
     ):
         for f in cls.__struct_fields__:
@@ -415,8 +480,9 @@ def _coerce(cls: type, field: str, value: Any) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Mapping[str, Any]]) -> None:
-    """Merge ``{"server": {...}, "index": {...}}`` into decoded file data, in place."""
-    classes = {"server": ServerConfig, "index": IndexConfig}
+    """Merge ``{"server": {...}, "index": {...}, "health": {...}}`` into decoded file data,
+    in place."""
+    classes = _SECTIONS
     for section, values in overrides.items():
         if not values:
             continue
@@ -458,7 +524,7 @@ def load_config(
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read the config file: {exc.strerror}") from None
     env = env_overrides(os.environ if environ is None else environ)
-    merged: dict[str, dict[str, Any]] = {"server": dict(env["server"]), "index": dict(env["index"])}
+    merged: dict[str, dict[str, Any]] = {k: dict(v) for k, v in env.items()}
     if flags:
         merged["server"].update({k: v for k, v in flags.items() if v is not None})
     return parse_config(text, source=str(p), overrides=merged)

@@ -7,7 +7,9 @@ blocks, vLLM's default retention 0) behind :class:`gpu_emitter.engine.Engine`, p
 KV events on a real ZeroMQ :class:`events.publisher.EventPublisher` bound on 127.0.0.1, and
 served over HTTP by uvicorn on a thread. Its HTTP server can be stopped (the port then refuses
 connections) and started again on the same port over the same pool and publisher, so a test
-can kill a replica's front end and bring it back with its cache intact.
+can kill a replica's front end and bring it back with its cache intact; or the whole replica
+can be killed (HTTP and publisher) and restarted on the same ports with an empty cache and
+sequence numbers from 0, as vLLM restarts. Each replica counts the POSTs it receives.
 
 :class:`SimCluster` starts three of them and the router (``router.server.app.create_app`` over
 ``router.config.parse_config``) on its own uvicorn thread, subscribed to their events.
@@ -16,14 +18,19 @@ Every server binds its own socket first (no free-port race) and is stopped with 
 
 from __future__ import annotations
 
+import random
 import re
+import time
+from collections import Counter
 from typing import Any
 
 import httpx
+import zmq
 
 from events.endpoints import EndpointError
 from events.layout import GroupKind, GroupSpec, ModelLayout
 from events.publisher import EventPublisher
+from gpu_emitter import tokenizer as bt
 from gpu_emitter.cli import event_source
 from gpu_emitter.cost_model import CostModel
 from gpu_emitter.engine import Engine
@@ -34,7 +41,7 @@ from router.server.app import create_app as create_router_app
 from tests.fake_replica import ServerThread
 from tests.zmq_helpers import LOOPBACK, wait_for
 
-__all__ = ["LAYOUT", "MODEL", "NAMES", "TOKEN", "SimCluster", "SimReplica"]
+__all__ = ["LAYOUT", "MODEL", "NAMES", "TOKEN", "SimCluster", "SimReplica", "words"]
 
 MODEL = "sim-fa-swa"
 TOKEN = "sim-admin-token"
@@ -53,6 +60,11 @@ SWA = "sliding_window[1]"
 """Spec-group names as ``/admin/route/explain`` prints them (router.core.predict)."""
 
 
+def words(rng: random.Random, n: int) -> str:
+    """``n`` random in-vocabulary words: ``n`` tokens (plus BOS for a completion prompt)."""
+    return " ".join(f"w{rng.randrange(bt.NUM_WORDS)}" for _ in range(n))
+
+
 class SimReplica:
     """One simulated hybrid vLLM replica (module docstring)."""
 
@@ -60,15 +72,23 @@ class SimReplica:
         self, name: str, num_blocks: int, max_model_len: int = 2048, buffer_steps: int = 10_000
     ) -> None:
         self.name = name
+        self.num_blocks = num_blocks
+        self.buffer_steps = buffer_steps
         self.pool = HybridBlockPool(LAYOUT, num_blocks)
         self.publisher = EventPublisher(
             LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=buffer_steps
         )
+        self.publishing = True
         # /kv_event_sources as ``kvrouter replica`` reports it
         sources = [event_source(self.publisher, LOOPBACK, LOOPBACK)]
         self.info = ReplicaInfo(MODEL, max_model_len, event_sources=sources)
         self.http: ServerThread | None = None
         self.port = 0
+        self.received: Counter[str] = Counter()
+        """POSTs received, by path (completions, chat), across HTTP restarts."""
+        self.sick = False
+        """Answer ``GET /health`` with 503 while the rest serves, as vLLM does when its engine
+        died under a live API server."""
         try:
             self.start_http()
         except BaseException:
@@ -88,23 +108,20 @@ class SimReplica:
             raise RuntimeError(f"replica {self.name} is already serving")
         engine = Engine(self.pool, self.publisher, cost=CostModel(time_scale=0.01))
         # No on_shutdown: the publisher must outlive an HTTP stop; close() closes it.
-        self.http = ServerThread(create_app(engine, self.info), self.port).start()
-        self.port = self.http.port
+        app = create_app(engine, self.info)
+        received = self.received
 
-    def restart(self) -> None:
-        """A new replica process on the same ports: an empty cache, sequence numbers from 0,
-        a new start time, and no event saying so (vLLM's restart, spec §5 item 14)."""
-        endpoint, replay = self.publisher.endpoint, self.publisher.replay_endpoint
-        buffer_steps = self.publisher.buffer_steps
-        self.stop_http()
-        self.publisher.close()
-        self.pool = HybridBlockPool(LAYOUT, self.pool.num_blocks)
-        self.publisher = wait_for(
-            lambda: _try_bind(endpoint, replay, buffer_steps), 10, f"{endpoint} to be free again"
-        )
-        sources = [event_source(self.publisher, LOOPBACK, LOOPBACK)]
-        self.info = ReplicaInfo(MODEL, self.info.max_model_len, event_sources=sources)
-        self.start_http()
+        async def counted(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and scope["method"] == "POST":
+                received[scope["path"]] += 1
+            elif scope["type"] == "http" and scope["path"] == "/health" and self.sick:
+                await send({"type": "http.response.start", "status": 503, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            await app(scope, receive, send)
+
+        self.http = ServerThread(counted, self.port).start()
+        self.port = self.http.port
 
     def stop_http(self) -> None:
         """Stop the HTTP server: connections to its port are refused from then on. Requests in
@@ -113,23 +130,47 @@ class SimReplica:
             http, self.http = self.http, None
             http.stop()
 
+    def kill(self) -> None:
+        """The whole replica goes: its HTTP server and its event publisher (the cache with
+        them, as a vLLM process that dies)."""
+        self.stop_http()
+        self.stop_events()
+
+    def stop_events(self) -> None:
+        """Close the event publisher (the router's stream loses its connection)."""
+        if self.publishing:
+            self.publishing = False
+            self.publisher.close()
+
+    def restart(self, timeout: float = 10.0) -> None:
+        """A fresh replica on the same ports, as vLLM restarts: an empty cache, a new
+        publisher numbering its batches from 0 (and its replay ring empty), HTTP again."""
+        self.kill()
+        endpoint, replay = self.publisher.endpoint, self.publisher.replay_endpoint
+        self.pool = HybridBlockPool(LAYOUT, self.num_blocks)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.publisher = EventPublisher(
+                    endpoint, replay_endpoint=replay, buffer_steps=self.buffer_steps, bind=True
+                )
+                break
+            except (zmq.ZMQError, EndpointError):  # the old sockets' ports not released yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)  # bounded retry of a bind, not synchronisation
+        self.publishing = True
+        # a new process: a new start time (process_start_time_seconds), the router's epoch
+        sources = [event_source(self.publisher, LOOPBACK, LOOPBACK)]
+        self.info = ReplicaInfo(MODEL, self.info.max_model_len, event_sources=sources)
+        self.start_http()
+
     def close(self) -> None:
         self.client.close()
         try:
             self.stop_http()
         finally:
-            self.publisher.close()
-
-
-def _try_bind(endpoint: str, replay: str | None, buffer_steps: int) -> EventPublisher | None:
-    """A publisher on the given endpoints, or None while the old process's sockets still
-    hold them (ZeroMQ closes asynchronously)."""
-    try:
-        return EventPublisher(
-            endpoint, replay_endpoint=replay, buffer_steps=buffer_steps, bind=True
-        )
-    except EndpointError:
-        return None
+            self.stop_events()
 
 
 def router_toml(replicas: dict[str, SimReplica]) -> str:
@@ -174,17 +215,20 @@ class SimCluster:
         names: tuple[str, ...] = NAMES,
         buffer_steps: int = 10_000,
         router: bool = True,
+        extra_toml: str = "",
     ) -> None:
         """``router=False`` starts the replicas only; :meth:`start_router` attaches it later
-        (after the replicas have published more than their ``buffer_steps`` ring holds)."""
+        (after the replicas have published more than their ``buffer_steps`` ring holds).
+        ``extra_toml`` is appended to the router's config (e.g. a ``[health]`` table)."""
         self.replicas: dict[str, SimReplica] = {}
         self.router: ServerThread | None = None
         self.http: httpx.Client | None = None
         self.admin = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+        self.extra_toml = extra_toml
         try:
             for name in names:
                 self.replicas[name] = SimReplica(name, num_blocks, buffer_steps=buffer_steps)
-            self.config: RouterConfig = parse_config(router_toml(self.replicas))
+            self.config: RouterConfig = parse_config(router_toml(self.replicas) + extra_toml)
             if router:
                 self.start_router()
         except BaseException:
@@ -193,10 +237,10 @@ class SimCluster:
 
     def start_router(self, extra_toml: str = "") -> None:
         """Start (or restart) the router; ``extra_toml`` is appended to its config (e.g. an
-        ``[index]`` table)."""
+        ``[index]`` table), after the cluster's own."""
         if self.router is not None:
             raise RuntimeError("the router is already running")
-        self.config = parse_config(router_toml(self.replicas) + extra_toml)
+        self.config = parse_config(router_toml(self.replicas) + self.extra_toml + extra_toml)
         self.app = create_router_app(self.config)
         self.router = ServerThread(self.app).start()
         self.http = httpx.Client(base_url=self.router.url, timeout=30)
@@ -254,10 +298,11 @@ class SimCluster:
     def sync(self, name: str, timeout: float = 20.0) -> None:
         wait_for(lambda: self.caught_up(name), timeout, f"the router to apply {name}'s events")
 
-    def replica_failures(self, name: str) -> int:
+    def health(self, name: str) -> dict[str, Any]:
+        """Replica ``name``'s health as ``/admin/replicas`` shows it (router.core.health)."""
         r = self.client.get("/admin/replicas", headers=self.admin)
         (rep,) = [x for x in r.json()["replicas"] if x["name"] == name]
-        return int(rep["failures"])
+        return rep["health"]
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of the router's ``/metrics`` (0 when the series does not exist yet)."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError, load_config, parse_config
+from router.config import ConfigError, HealthConfig, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +43,19 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
     cfg = load_config(f, environ=env)
     assert (cfg.server.port, cfg.index.max_bytes, cfg.server.max_attempts) == (7001, 2097152, 2)
     assert load_config(f, environ=env, flags={"port": 7002, "host": None}).server.port == 7002
+
+
+def test_health_env_overrides_and_example_defaults(tmp_path: Path) -> None:
+    f = tmp_path / "r.toml"
+    f.write_text("[health]\nprobe_interval_s = 5.0\n" + MINIMAL)
+    env = {"KVROUTER_HEALTH_PROBE_INTERVAL_S": "0.5", "KVROUTER_HEALTH_EJECT_AFTER_FAILURES": "4"}
+    h = load_config(f, environ=env).health
+    assert (h.probe_interval_s, h.eject_after_failures, h.unhealthy_threshold) == (0.5, 4, 2)
+    with pytest.raises(ConfigError, match=r"\$\.health"):
+        load_config(f, environ={"KVROUTER_HEALTH_UNHEALTHY_THRESHOLD": "0"})
+    # the example files spell out the defaults
+    for name in ("router-sim.toml", "router-vllm.toml"):
+        assert load_config(ROOT / "config" / name, environ={}).health == HealthConfig()
 
 
 @pytest.mark.parametrize(

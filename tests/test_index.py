@@ -172,6 +172,50 @@ def test_lost_events_distrust_until_a_clear() -> None:
     assert index.is_trusted(A) and present(index, A, 0, 3)
 
 
+def test_seen_down_wipes_and_distrusts_until_the_stream_shows_its_state() -> None:
+    """router.core.health took the replica out of rotation: it may restart meanwhile
+    (empty, with no event), so its blocks go and it predicts nothing; a continuing batch
+    makes it partial (a lower bound), a restart or a clear exact."""
+    index = make()
+    index.apply_events(A, [stored([1, 2])])
+    index.apply_events(B, [stored([1])])
+    index.seen_down(A, "down: 2 consecutive probes failed")
+    assert index.trust(A) == "untrusted" and "seen down (down: 2" in index.untrusted_reason(A)
+    assert not present(index, A, 0, 1) and present(index, B, 0, 1)  # B untouched
+    assert index.stats()[0].ingest_errors == {"replica_down": 1}
+    # its stream goes on without a restart: what it stores from now on is known
+    index.apply_events(A, [stored([3])])
+    assert index.trust(A) == "partial" and present(index, A, 0, 3)
+    assert "seen down" in index.partial_reason(A)
+    # a restart (the sequence went back) is a known state again: empty
+    index.seen_down(A, "ejected")
+    index.reset_replica(A)
+    assert index.trust(A) == "exact" and not present(index, A, 0, 3)
+    index.apply_events(A, [stored([4])])
+    assert index.trust(A) == "exact"
+    # so is a reset of its prefix cache
+    index.seen_down(A, "ejected")
+    index.apply_events(A, [AllBlocksCleared(), stored([5])])
+    assert index.trust(A) == "exact" and present(index, A, 0, 5)
+
+
+def test_seen_down_then_lost_events_stays_untrusted() -> None:
+    index = make()
+    index.seen_down(A, "down")
+    index.lost_events(A, "gap 3..5")
+    index.apply_events(A, [stored([1])])  # the gap, not the outage, decides now
+    assert index.trust(A) == "untrusted"
+
+
+def test_seen_down_never_clears_a_settings_problem() -> None:
+    index = make()
+    index.mark_untrusted(A, "hash settings differ", recoverable=False, label="hash_mismatch")
+    index.seen_down(A, "down")
+    index.apply_events(A, [stored([1])])
+    assert index.trust(A) == "untrusted"
+    assert index.untrusted_reason(A) == "hash settings differ"
+
+
 def test_undecodable_event_distrusts() -> None:
     index = make()
     index.apply_events(A, [UnknownEvent(0, "Invalid value 'BlockMoved'", b"\x80")])

@@ -23,8 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gpu_emitter import tokenizer as bt
-from tests.sim_cluster import FA, MODEL, NAMES, SWA, SimCluster
+from tests.sim_cluster import FA, MODEL, NAMES, SWA, SimCluster, words
 from tests.zmq_helpers import wait_for
 
 B = 16
@@ -36,16 +35,13 @@ enough that the sliding-window test's flood reaches the blocks it wants to evict
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SimCluster]:
-    c = SimCluster(NUM_BLOCKS)
+    # No health probes here: the failover test checks the proxy's own failover on a replica
+    # the router still believes alive (tests/test_health.py covers probes and ejection).
+    c = SimCluster(NUM_BLOCKS, extra_toml="[health]\nprobe_interval_s = 0\n")
     try:
         yield c
     finally:
         c.close()
-
-
-def words(rng: random.Random, n: int) -> str:
-    """``n`` random in-vocabulary words: ``n`` tokens (plus BOS for a completion prompt)."""
-    return " ".join(f"w{rng.randrange(bt.NUM_WORDS)}" for _ in range(n))
 
 
 def floor_block(n: int) -> int:
@@ -278,7 +274,7 @@ def test_failover_when_the_best_replica_is_dead(cluster: SimCluster) -> None:
     assert cluster.explain(**ask)["chosen"]["replica"] == dead
 
     failovers = cluster.metric("kvrouter_failovers_total", replica=dead)
-    failures = cluster.replica_failures(dead)
+    assert cluster.health(dead)["consecutive_failures"] == 0
     cluster.replicas[dead].stop_http()
     try:
         with pytest.raises(httpx.ConnectError):
@@ -290,7 +286,9 @@ def test_failover_when_the_best_replica_is_dead(cluster: SimCluster) -> None:
         assert served in NAMES and served != dead
         assert cached_tokens(r.json()) == int(r.headers["x-kvrouter-predicted-hit"])
         assert cluster.metric("kvrouter_failovers_total", replica=dead) == failovers + 1
-        assert cluster.replica_failures(dead) == failures + 1
+        # one failure: below health.eject_after_failures, so still in rotation
+        health = cluster.health(dead)
+        assert (health["consecutive_failures"], health["state"]) == (1, "healthy")
         status = cluster.metric("kvrouter_requests_total", pool=MODEL, replica=served, status="200")
         assert status >= 1
     finally:

@@ -1138,3 +1138,33 @@ def test_async_close_with_a_full_queue_still_ends_iteration() -> None:
             assert await sub.get(timeout=0.01) is None
 
     asyncio.run(main())
+
+
+@modes
+def test_connected_follows_the_publisher(mode: str) -> None:
+    """``StreamStats.connected``: False before a publisher listens, True once the SUB holds a
+    connection, False when the publisher goes away, True again when one binds the port anew
+    (a restarted replica). ``GET /ready`` of the router reads it."""
+    with EventPublisher(LOOPBACK) as first:
+        endpoint = first.endpoint  # a port known to be free now
+    spec = StreamSpec("c", endpoint)
+    with make(mode, [spec]) as h:
+        assert h.stats()["c"].connected is False
+        pub = None
+        try:
+            pub = wait_for(lambda: try_publisher(endpoint, bind=True), what="the port bound")
+            wait_for(lambda: h.stats()["c"].connected, what="connected")
+            pub.close()
+            wait_for(lambda: h.stats()["c"].connected is False, what="disconnected")
+            assert h.stats()["c"].disconnects >= 1
+            pub = wait_for(lambda: try_publisher(endpoint, bind=True), what="the port rebound")
+            wait_for(lambda: h.stats()["c"].connected, what="connected again")
+        finally:
+            if pub is not None:
+                pub.close()
+    # a publisher already there when the subscriber connects: seen too
+    with EventPublisher(LOOPBACK) as pub, make(mode, [StreamSpec("d", pub.endpoint)]) as h:
+        wait_for(lambda: h.stats()["d"].connected, what="connected at once")
+    # a bound SUB cannot tell
+    with make(mode, [StreamSpec("b", LOOPBACK, bind=True)]) as h:
+        assert h.stats()["b"].connected is None

@@ -177,6 +177,9 @@ class _Replica:
     recoverable: bool = True
     """Whether a known state (a clear or a restart) makes the replica trusted again: true
     for lost events, false for wrong settings, which only a config fix cures."""
+    down: bool = False
+    """Untrusted because the replica was seen down (KVIndex.seen_down) and nothing since has
+    said what it holds: its next in-order batch makes it partial."""
     group_aware: bool | None = None
     roots_seen: int = 0
     blocks: int = 0
@@ -627,6 +630,8 @@ class KVIndex:
         caller to distrust the replica (:meth:`ingest_failed`).
         """
         rep = self._replica(key)
+        if rep.down:
+            self._back_up(rep)
         bit, slot, counters = rep.bit, rep.slot, rep.counters
         tiers, tier_of = self._tiers, self._tier_of
         max_groups, max_block = self.limits.max_groups, self.limits.max_block_size
@@ -742,7 +747,7 @@ class KVIndex:
                     rep.partial_reason = None  # an empty cache is fully known
                     if not rep.trusted and rep.recoverable:
                         # A reset is a known state: the stream is usable again (§5.4).
-                        rep.trusted, rep.untrusted_reason = True, None
+                        rep.trusted, rep.untrusted_reason, rep.down = True, None, False
                 elif cls is UnknownEvent:
                     counters["unknown_events"] += 1
                     self._distrust(
@@ -871,6 +876,7 @@ class KVIndex:
             # A settings problem outranks lost events: it must not be cleared by a reset.
             rep.untrusted_reason = reason
             rep.recoverable = recoverable
+            rep.down = label == "replica_down"
         rep.trusted = False
         self.generation += 1
 
@@ -886,7 +892,7 @@ class KVIndex:
         rep.learned = {}  # it may come back with other flags: its view is learned anew
         rep.partial_reason = None  # it restarted empty: nothing unknown
         if rep.recoverable:
-            rep.trusted, rep.untrusted_reason = True, None
+            rep.trusted, rep.untrusted_reason, rep.down = True, None, False
         self.generation += 1
 
     def attached_late(self, key: ReplicaKey, detail: str) -> None:
@@ -950,6 +956,44 @@ class KVIndex:
             recoverable=True,
             label="lost_events",
         )
+
+    def seen_down(self, key: ReplicaKey, detail: str) -> None:
+        """The replica was seen down or failing (health probe, ejection: router.core.health).
+
+        While it is unreachable it may restart, and vLLM comes back with an empty cache and
+        sequence numbers from 0 without any event for it; a restart whose first visible batch
+        is not below the last one seen cannot be told from a continuation (spec §3, §6.14).
+        So what the index holds for it is dropped now, and it predicts no hit until its
+        stream says what it holds: a restart (sequence going back) or an ``AllBlocksCleared``
+        make it exact; the next batch that continues its sequence makes it partial (blocks
+        stored before are unknown, those from then on are known; vLLM's answers fill in the
+        rest, as after a late attach). A replica untrusted for its settings stays so."""
+        rep = self._replica(key)
+        self._wipe(rep)
+        rep.partial_reason = None
+        self._distrust(
+            rep,
+            f"seen down ({detail}): it may have restarted with an empty cache, which vLLM "
+            f"announces with no event; no hit is predicted until its event stream shows its "
+            f"state",
+            recoverable=True,
+            label="replica_down",
+        )
+
+    def _back_up(self, rep: _Replica) -> None:
+        """A batch continues the stream of a replica seen down (see :meth:`seen_down`)."""
+        rep.down = False
+        rep.trusted, rep.untrusted_reason = True, None
+        rep.partial_reason = (
+            "it was seen down and its cache state was dropped; its stream went on without a "
+            "restart, so blocks cached before are unknown until vLLM's answers show them or "
+            "its prefix cache is reset"
+        )
+        log.info(
+            "pool %r replica %s/dp%d partial: its stream continues after it was seen down",
+            self.pool, rep.name, rep.dp_rank,
+        )  # fmt: skip
+        self.generation += 1
 
     def mark_untrusted(
         self, key: ReplicaKey, reason: str, *, recoverable: bool = True, label: str = "external"

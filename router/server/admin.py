@@ -167,8 +167,12 @@ def admin_router(
         spec = choice.speculative.as_dict()["replicas"] if choice.speculative else []
         spec_by_key = {(h["replica"], h["dp_rank"]): h for h in spec}
         cands = {c.key: c for c in pool.candidates(None, set())}
+        now, wall = time.monotonic(), time.time()
+        rotation, panic = pool.rotation(now)
         for key, s in scores.items():
             row = dict(by_key.get(key, {"replica": key[0], "dp_rank": key[1]}))
+            rep = pool.replicas.get(key[0])
+            row["health"] = rep.health.as_dict(now, wall) if rep is not None else None
             c = cands.get(key)
             row["load"] = (
                 {
@@ -196,6 +200,17 @@ def admin_router(
             row["score"] = s.as_dict()
             rows.append(row)
         chosen = choice.decision.chosen.key
+        # Replicas that were not candidates, and why (drained, down, ejected, on trial).
+        in_rotation = {r.name for r in rotation} if not panic else {chosen[0]}
+        excluded = [
+            {
+                "replica": rep.name,
+                "reason": "drained" if rep.drained else rep.health.state(now),
+                "health": rep.health.as_dict(now, wall),
+            }
+            for rep in pool.replicas.values()
+            if rep.name not in in_rotation
+        ]
         return {
             "pool": pool.name,
             "policy": choice.decision.policy,
@@ -206,7 +221,9 @@ def admin_router(
             "tied": choice.decision.tied,
             "decision_seconds": elapsed,
             "speculative_entries": len(pool.speculative) if pool.speculative else None,
+            "panic": panic,
             "replicas": rows,
+            "excluded": excluded,
         }
 
     @r.get(

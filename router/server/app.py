@@ -5,13 +5,18 @@ The app is a thin dispatcher. Every HTTP request first meets the doors
 head alone); then ``POST /v1/completions`` and ``/v1/chat/completions`` go straight to
 :class:`router.server.proxy.Proxy` (the hot path, raw ASGI, no framework on it) and every other
 request, its body read within ``server.admin_max_body_bytes``, goes to a FastAPI app
-(``/v1/models``, ``/health``, ``/metrics``, ``/admin``, the schema). Every error is an OpenAI
-error (:mod:`router.server.errors`), a bug's included. This is the one module that knows every
-face; the state it hands them (:mod:`router.server.state`) knows none of them, so no face
-reaches around another.
+(``/v1/models``, ``/health``, ``/ready``, ``/metrics``, ``/admin``, the schema). Every error
+is an OpenAI error (:mod:`router.server.errors`), a bug's included. This is the one module
+that knows every face; the state it hands them (:mod:`router.server.state`) knows none of
+them, so no face reaches around another.
 
 The lifespan starts the pools (their replicas' event subscribers run on the serving loop, so the
-index is read and written by one thread only) and the ``/metrics`` scraper, and stops both.
+index is read and written by one thread only), the ``/metrics`` scraper and the health prober
+(router.server.health), and stops them.
+
+``GET /health`` is liveness: 200 while the process serves. ``GET /ready`` is readiness: 200
+when every pool has a routable replica with its event streams connected, else 503, both with
+a JSON body saying what is missing (router.server.health.readiness).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from router.config import RouterConfig, is_loopback
 from router.server.admin import admin_router
 from router.server.doors import Doors, Refusal
 from router.server.errors import install_error_handlers, json_errors, send_error
+from router.server.health import probe_forever, readiness
 from router.server.metrics import CONTENT_TYPE
 from router.server.openapi_routes import document_proxied
 from router.server.persist import load_snapshot, snapshot_forever, write_snapshot
@@ -69,6 +75,8 @@ def create_app(config: RouterConfig) -> Any:
         tasks = []
         if config.server.metrics_scrape_interval_s > 0:
             tasks.append(loop.create_task(scrape_forever(state)))
+        if config.health.probe_interval_s > 0:
+            tasks.append(loop.create_task(probe_forever(state)))
         path = config.index.snapshot_path
         if path and config.index.snapshot_interval_s > 0:
             tasks.append(
@@ -97,11 +105,17 @@ def create_app(config: RouterConfig) -> Any:
     install_error_handlers(api, refused)
     document_proxied(api)
 
-    @api.get("/health")
+    @api.get("/health", summary="Liveness: 200 while the router process serves")
     async def health() -> Response:
-        if not state.started:
-            return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @api.get(
+        "/ready",
+        summary="Readiness: 200 when every pool has a routable replica with connected events",
+    )
+    async def ready() -> Response:
+        ok, body = readiness(state)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @api.get("/v1/models")
     async def models() -> Response:

@@ -67,8 +67,23 @@ class _StateCollector(Collector):
             "Refused events and ingest problems that made a replica untrusted, by reason",
             labels=["pool", "replica", "reason"],
         )
+        # Replica health (router.core.health), per replica *name*: probes and ejections are
+        # per HTTP server, whatever its DP ranks.
+        health = [
+            (key, cls(f"kvrouter_replica_{key}", doc, labels=["pool", "replica"]))
+            for key, cls, doc in (
+                ("up", GaugeMetricFamily, "1 while its health probes succeed (or are off)"),
+                ("ejected", GaugeMetricFamily, "1 while ejected for failed requests"),
+                ("routable", GaugeMetricFamily, "1 if new requests may go to it"),
+                ("ejections", CounterMetricFamily, "Ejections for consecutive failed attempts"),
+                ("probe_failures", CounterMetricFamily, "Health probes that failed"),
+            )
+        ]
         for pool in self._snapshot():
             name = pool["pool"]
+            for h in pool.get("health", ()):
+                for key, family in health:
+                    family.add_metric([name, h["replica"]], float(h[key]))
             entries.add_metric([name], pool["entries"])
             nbytes.add_metric([name], pool["bytes"])
             for rs in pool["replica_stats"]:
@@ -96,6 +111,7 @@ class _StateCollector(Collector):
                 for kind in ("gaps", "replays", "unrecoverable_gaps", "resets", "malformed"):
                     gaps.add_metric([stream, kind], getattr(st, kind))
         yield from (entries, nbytes, events, outcomes, lag, gaps, trusted, trust_state, ingest)
+        yield from (family for _, family in health)
 
 
 class RouterMetrics:

@@ -14,6 +14,9 @@ Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it cos
   sent (it is one object, and a replica dying mid-body can still be failed over); SSE is
   forwarded chunk by chunk as it arrives. After the first byte has gone to the client, an
   upstream failure ends the stream with a well-formed error event and ``data: [DONE]``.
+* **Health.** Every attempt's outcome (first byte, or failure before it) feeds the replica's
+  health (router.server.health): consecutive failures eject it, and ejected or down
+  replicas are not candidates (``PoolState.rotation``).
 * Response headers ``x-kvrouter-replica`` (``name`` or ``name/dp<rank>`` with several ranks)
   and ``x-kvrouter-predicted-hit`` say where the request went and what hit was expected.
 * **Prediction error loop.** When the response carries
@@ -37,6 +40,7 @@ from typing import Any
 import msgspec
 
 from router.server.errors import error_body
+from router.server.health import attempt_answered, attempt_failed, begin_attempt, end_attempt
 from router.server.state import ReplicaState, RouteChoice, RouterState
 from router.server.stream_usage import UsageStripper, request_usage
 from router.server.upstream import UpstreamError
@@ -238,6 +242,7 @@ class Proxy:
             rep = pool.replicas.get(key[0])
             if rep is None:
                 continue
+            trial = begin_attempt(rep)  # replica health (router.server.health)
             try:
                 await self._forward(
                     rep, key, choice, url, fwd, raw, stream, send, request_id, strip_usage
@@ -247,12 +252,14 @@ class Proxy:
                 last_error = exc
                 if pool.speculative is not None:
                     pool.speculative.discard(choice.insertion)
-                rep.failures += 1
+                attempt_failed(pool, rep, str(exc))
                 rep.last_error = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {rep.cfg.url}: {exc}"
                 self._m.failovers.labels(key[0]).inc()
                 log.warning(
                     "replica %s (%s) failed before the first byte: %s", key[0], rep.cfg.url, exc
                 )
+            finally:
+                end_attempt(rep, trial)
         if last_error is not None and last_error.response is not None:
             status, headers, data = last_error.response
             await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -330,6 +337,7 @@ class Proxy:
                         )
                     self._release_pending(rep, rank, pending)
                     pending = 0
+                    attempt_answered(choice.pool, rep)
                     out_headers.append(_clen(data))
                     await send(
                         {"type": "http.response.start", "status": status, "headers": out_headers}
@@ -346,6 +354,7 @@ class Proxy:
                         if first:
                             self._release_pending(rep, rank, pending)
                             pending = 0
+                            attempt_answered(choice.pool, rep)
                             await send(
                                 {
                                     "type": "http.response.start",

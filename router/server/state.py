@@ -23,6 +23,7 @@ import httpx
 from events.stream import StreamSpec, StreamStats
 from events.subscriber import AsyncSubscriber, SubscriberError
 from router.config import PoolConfig, ReplicaConfig, RouterConfig
+from router.core.health import ReplicaHealth
 from router.core.index import KVIndex, ReplicaKey
 from router.core.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
 from router.core.predict import Prediction, Predictor, body_request_keys
@@ -49,6 +50,8 @@ class ReplicaState:
     upstream: UpstreamPool
     """Keep-alive connections the proxy forwards requests on (router.server.upstream)."""
     ranks: list[int]
+    health: ReplicaHealth
+    """Probe and request outcomes: whether it is in rotation (router.core.health)."""
     drained: bool = False
     in_flight: dict[int, int] = field(default_factory=dict)
     pending_prefill: dict[int, int] = field(default_factory=dict)
@@ -65,7 +68,6 @@ class ReplicaState:
     kv_usage: dict[int, float] = field(default_factory=dict)
     scraped_at: float | None = None
     scrape_error: str | None = None
-    failures: int = 0
     started_at: float | None = None
     """The replica's ``process_start_time_seconds`` (its epoch; router.server.scrape)."""
     restarts: int = 0
@@ -81,6 +83,7 @@ class ReplicaState:
         return self.cfg.name
 
     def as_dict(self) -> dict[str, Any]:
+        now, wall = time.monotonic(), time.time()
         return {
             "name": self.name,
             "url": self.cfg.url,
@@ -94,7 +97,7 @@ class ReplicaState:
             "others_waiting": self.others_waiting or None,
             "kv_usage": self.kv_usage or None,
             "scrape_error": self.scrape_error,
-            "failures": self.failures,
+            "health": self.health.as_dict(now, wall),
             "started_at": self.started_at,
             "restarts": self.restarts,
             "last_error": self.last_error,
@@ -143,7 +146,42 @@ class PoolState:
         )
 
     def live_urls(self) -> list[str]:
-        return [r.cfg.url for r in self.replicas.values() if not r.drained]
+        """Where a remote tokenizer may call: replicas neither drained, down nor ejected."""
+        now = time.monotonic()
+        return [
+            r.cfg.url
+            for r in self.replicas.values()
+            if not r.drained and r.health.state(now) in ("healthy", "half_open")
+        ]
+
+    def rotation(self, now: float) -> tuple[list[ReplicaState], bool]:
+        """The replicas a new request may go to, and whether the pool is *panicking*.
+
+        Routable replicas (router.core.health: not down, not ejected, no half-open trial in
+        flight) that are not drained. When there is none but some are merely unhealthy, the
+        pool panics rather than answer 503: it returns those, in the order to try them
+        (:meth:`ReplicaHealth.panic_rank`: the ones whose ``/health`` answers first, then the
+        one out of rotation longest), and requests go to the first not yet tried. The
+        health view may be wrong (probes time out under load, the router's own network
+        hiccups) and every outcome feeds it back; a dead pool still fails, after
+        ``server.max_attempts`` quick attempts (connections refused) or connect timeouts."""
+        reps = [r for r in self.replicas.values() if not r.drained]
+        live = [r for r in reps if r.health.routable(now)]
+        if live or not reps:
+            return live, False
+        return sorted(reps, key=lambda r: r.health.panic_rank()), True
+
+    def distrust_replica(self, rep: ReplicaState, detail: str) -> None:
+        """``rep`` left rotation (down or ejected): what the index holds for it may be stale
+        by the time it is back (KVIndex.seen_down), and so are its speculative entries."""
+        if self.replicas.get(rep.name) is not rep:
+            return  # removed meanwhile
+        for r in rep.ranks:
+            key = (rep.name, r)
+            if self.speculative is not None:
+                self.speculative.forget_replica(key)
+            if rep.streams:
+                self.index.seen_down(key, detail)
 
     # -------------------------------------------------------------- replicas
 
@@ -169,7 +207,14 @@ class PoolState:
                 socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
             ),
         )
-        rep = ReplicaState(rcfg, client, upstream, rcfg.ranks(), started_at=started_at)
+        rep = ReplicaState(
+            rcfg,
+            client,
+            upstream,
+            rcfg.ranks(),
+            ReplicaHealth(self.router.config.health),
+            started_at=started_at,
+        )
         for r in rep.ranks:
             rep.in_flight[r] = 0
             rep.pending_prefill[r] = 0
@@ -294,9 +339,10 @@ class PoolState:
     ) -> list[Candidate]:
         hits = {h.replica: h for h in prediction.replicas} if prediction is not None else {}
         out = []
-        for rep in self.replicas.values():
-            if rep.drained:
-                continue
+        reps, panic = self.rotation(time.monotonic())
+        if panic:  # one at a time, in panic order (rotation)
+            reps = [r for r in reps if any((r.name, k) not in exclude for k in r.ranks)][:1]
+        for rep in reps:
             for r in rep.ranks:
                 key = (rep.name, r)
                 if key in exclude:
@@ -433,6 +479,7 @@ class RouterState:
         self.started = False
 
     def snapshot(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
         return [
             {
                 "pool": p.name,
@@ -440,6 +487,17 @@ class RouterState:
                 "bytes": p.index.nbytes(),
                 "replica_stats": p.index.stats(),
                 "stream_stats": p.stream_stats(),
+                "health": [
+                    {
+                        "replica": r.name,
+                        "up": r.health.probe_up,
+                        "ejected": r.health.state(now) == "ejected",
+                        "routable": not r.drained and r.health.routable(now),
+                        "ejections": r.health.ejections,
+                        "probe_failures": r.health.probe_failures_total,
+                    }
+                    for r in p.replicas.values()
+                ],
             }
             for p in self.pools.values()
         ]
