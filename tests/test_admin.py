@@ -162,7 +162,6 @@ def test_refuses_admin_on_public_host_without_token() -> None:
     create_app(parse_config('[server]\nhost = "0.0.0.0"\nadmin_enabled = false\n' + BASE))
 
 
-
 def test_removing_a_replica_whose_subscriber_died_releases_everything(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -193,8 +192,10 @@ def test_removing_a_replica_whose_subscriber_died_releases_everything(
             monkeypatch.setattr(StreamProcessor, "on_live", on_live)
             sub = state.pools[MODEL].replicas["x"].subscriber
             wait_for(
-                lambda: fake.serve_prompt(tokenizer.encode(words(6, 64))) is None
-                or sub._core.failure is not None,
+                lambda: (
+                    fake.serve_prompt(tokenizer.encode(words(6, 64))) is None
+                    or sub._core.failure is not None
+                ),
                 10,
                 "the subscriber's reader to hit the injected bug",
             )
