@@ -15,6 +15,7 @@ source it came from: ``router.toml: Expected `int`, got `str` - at `$.server.por
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -64,7 +65,18 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Larger request bodies get 413 before anything is parsed."""
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
-    """Longest silence between two bytes of a replica's response."""
+    """Longest silence between two bytes of a replica's response, once its first byte came
+    (the stream idle timeout)."""
+    ttfb_timeout_s: float = 30.0
+    """Streaming requests: longest wait from sending the request to a replica to the first
+    byte of its response; then the next replica is tried (``max_attempts``). vLLM starts a
+    stream's response before the first token, so this finds a hung replica without limiting
+    queueing or prefill (the wait for the first token is bounded by ``read_timeout_s``)."""
+    ttfb_timeout_nonstream_s: float = 600.0
+    """The same for non-streaming requests. vLLM sends nothing of a non-streaming answer
+    until the whole generation is done, so this bounds the whole generation: keep it above
+    the longest one you serve, or a slow answer is abandoned and generated again on the next
+    replica."""
     max_attempts: int = 3
     """Replicas tried per request (failover happens only before the first response byte)."""
     metrics_scrape_interval_s: float = 1.0
@@ -83,6 +95,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise ValueError("timeouts must be > 0 seconds")
+        for name in ("ttfb_timeout_s", "ttfb_timeout_nonstream_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.metrics_scrape_interval_s < 0:

@@ -8,7 +8,12 @@ Its ``cached_tokens`` is the hit of what it holds, by a rule written out here fo
 layout (:meth:`FakeReplica.own_hit`) and not by the router's code, so a router test that
 compares the router's prediction with it compares two independent implementations (plus
 ``lie_by`` when a test wants a mismatch). Test knobs: ``fail_status`` (answer 5xx),
-``die_after_chunks`` (drop the connection mid-stream), ``evict_swa(prompt)``.
+``die_after_chunks`` (drop the connection mid-stream), ``evict_swa(prompt)``, ``stall``
+(accept requests and never answer them, like a hung replica or a long non-streaming
+generation), ``token_interval_s`` (stream one token per interval, like a real decode).
+``disconnects`` records when a client (the router) closed a request before its answer was
+complete, as vLLM notices it to abort the request: a stalled request ends when its
+connection's ``http.disconnect`` arrives, a stream when Starlette cancels it on disconnect.
 """
 
 from __future__ import annotations
@@ -66,6 +71,12 @@ class FakeReplica:
         """Running requests of other clients that ``/metrics`` reports on top of the router's."""
         self.requests = 0
         self.last_headers: dict[str, str] = {}
+        self.stall = False
+        self.token_interval_s = 0.0
+        self.held = 0
+        """Requests being held now by ``stall`` or in a stream still going."""
+        self.disconnects: list[float] = []
+        """``time.monotonic()`` of each request whose client left before the answer ended."""
         self.app = self._build()
 
     # ---------------------------------------------------------------- cache
@@ -154,6 +165,15 @@ class FakeReplica:
             if self.fail_status:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=self.fail_status)
             body = msgspec.json.decode(await request.body())
+            if self.stall:
+                self.held += 1
+                try:  # after the body, receive() returns only when the client has gone
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+                    self.disconnects.append(time.monotonic())
+                finally:
+                    self.held -= 1
+                return Response(status_code=500)  # nobody is there to read it
             self.last_body = body
             ids = tokens(kind, body)
             hit = self.serve_prompt(ids) + self.lie_by
@@ -182,21 +202,31 @@ class FakeReplica:
                 )  # fmt: skip
             include_usage = (body.get("stream_options") or {}).get("include_usage")
             die = self.die_after_chunks
+            interval = self.token_interval_s
 
             async def gen():
-                for i, w in enumerate(words):
-                    if die is not None and i >= die:
-                        raise RuntimeError("replica died mid-stream")
-                    chunk = {
-                        "id": rid, "object": obj + ".chunk", "model": self.model,
-                        "choices": [{"index": 0, "text": (" " if i else "") + w}],
-                    }  # fmt: skip
-                    yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
-                    await asyncio.sleep(0)
-                if include_usage:
-                    last = {"id": rid, "object": obj + ".chunk", "choices": [], "usage": usage}
-                    yield b"data: " + msgspec.json.encode(last) + b"\n\n"
-                yield b"data: [DONE]\n\n"
+                self.held += 1
+                ended = False
+                try:
+                    for i, w in enumerate(words):
+                        if die is not None and i >= die:
+                            ended = True
+                            raise RuntimeError("replica died mid-stream")
+                        chunk = {
+                            "id": rid, "object": obj + ".chunk", "model": self.model,
+                            "choices": [{"index": 0, "text": (" " if i else "") + w}],
+                        }  # fmt: skip
+                        yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                        await asyncio.sleep(interval)  # the decode step of one token
+                    if include_usage:
+                        last = {"id": rid, "object": obj + ".chunk", "choices": [], "usage": usage}
+                        yield b"data: " + msgspec.json.encode(last) + b"\n\n"
+                    yield b"data: [DONE]\n\n"
+                    ended = True
+                finally:
+                    self.held -= 1
+                    if not ended:  # cancelled: the client went away
+                        self.disconnects.append(time.monotonic())
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 

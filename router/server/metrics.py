@@ -152,6 +152,13 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "kvrouter_in_flight", "Requests in flight per replica", ["replica"], registry=r
         )
+        self.client_disconnects = Counter(
+            "kvrouter_client_disconnects",
+            "Clients gone before their answer was complete (the replica's request is closed):"
+            " phase waiting (nothing sent yet) or streaming",
+            ["pool", "phase"],
+            registry=r,
+        )
         if snapshot is not None:
             r.register(_StateCollector(snapshot))
 

@@ -10,6 +10,18 @@ Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it cos
   sent (it is one object, and a replica dying mid-body can still be failed over); SSE is
   forwarded chunk by chunk as it arrives. After the first byte has gone to the client, an
   upstream failure ends the stream with a well-formed error event and ``data: [DONE]``.
+* **Time limits.** ``server.ttfb_timeout_s`` (streaming requests) and
+  ``server.ttfb_timeout_nonstream_s`` bound the wait for a replica's first response byte; on
+  expiry the next replica is tried, as for any failure before the first byte. When the last
+  attempt timed out the client gets 504 (else 502). After the first byte,
+  ``server.read_timeout_s`` bounds each silence.
+* **Cancellation.** Once the request body is read, a task awaits the client's ``receive``
+  channel: the server reports ``http.disconnect`` there when the client's connection closes
+  (``send`` to a closed connection returns silently, so nothing else would tell). The
+  request's task is then cancelled wherever it waits (tokenizing, on the replica's answer, in
+  the middle of a stream); unwinding closes the replica's connection (never back to the
+  keep-alive pool), which is how vLLM learns to abort the request. Counted in
+  ``kvrouter_client_disconnects_total{pool,phase}``.
 * Response headers ``x-kvrouter-replica`` (``name`` or ``name/dp<rank>`` with several ranks)
   and ``x-kvrouter-predicted-hit`` say where the request went and what hit was expected.
 * **Prediction error loop.** When the response carries
@@ -23,6 +35,7 @@ Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it cos
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -73,9 +86,57 @@ def _error_body(message: str, type_: str, code: int) -> bytes:
 class _Upstream(Exception):
     """An attempt that failed before the first byte reached the client."""
 
-    def __init__(self, why: str, response: tuple[int, list, bytes] | None = None) -> None:
+    def __init__(
+        self, why: str, response: tuple[int, list, bytes] | None = None, timeout: bool = False
+    ) -> None:
         super().__init__(why)
         self.response = response
+        self.timeout = timeout
+
+
+class _ClientWatch:
+    """Whether the client is still connected while its answer is prepared and forwarded.
+
+    :meth:`start` (after the request body was read) runs a task that awaits ``receive``:
+    from then on the server returns from it only with ``http.disconnect``, when the client's
+    connection is lost or the response is complete. Before completion it means the client is
+    gone, and the request's task is cancelled. :meth:`send` wraps the server's ``send`` to
+    know whether the response started (the phase counted) or completed (a late disconnect
+    message then means nothing).
+    """
+
+    __slots__ = ("_send", "_task", "_watcher", "complete", "gone", "pool", "started")
+
+    def __init__(self) -> None:
+        self._watcher: asyncio.Task[None] | None = None
+        self.gone = self.started = self.complete = False
+        self.pool = ""
+
+    def start(self, receive: Any, send: Any, pool: str) -> Any:
+        """Watch the client from now on; returns the ``send`` to use."""
+        self._send = send
+        self.pool = pool
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        return self.send
+
+    async def _watch(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.complete and self._task is not None:
+            self.gone = True
+            self._task.cancel()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif not message.get("more_body", False):
+            self.complete = True
+        await self._send(message)
+
+    def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 class Proxy:
@@ -85,6 +146,7 @@ class Proxy:
         m = state.metrics
         self._decision = {}
         self._m = m
+        self._ttfb = {True: self.cfg.ttfb_timeout_s, False: self.cfg.ttfb_timeout_nonstream_s}
 
     async def _send_simple(
         self, send: Any, status: int, body: bytes, request_id: bytes, extra: list | None = None
@@ -100,6 +162,24 @@ class Proxy:
         await send({"type": "http.response.body", "body": body})
 
     async def handle(self, kind: str, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Serve one request; a client that goes away cancels it (module docstring)."""
+        watch = _ClientWatch()
+        try:
+            await self._handle(kind, scope, receive, send, watch)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not watch.gone or task is None:
+                raise  # a shutdown, not this client
+            task.uncancel()
+            phase = "streaming" if watch.started else "waiting"
+            self._m.client_disconnects.labels(watch.pool, phase).inc()
+            log.debug("client gone (%s); its upstream request is closed", phase)
+        finally:
+            watch.stop()
+
+    async def _handle(
+        self, kind: str, scope: dict[str, Any], receive: Any, send: Any, watch: _ClientWatch
+    ) -> None:
         limit = self.cfg.max_body_bytes
         request_id = None
         fwd: list[tuple[bytes, bytes]] = []
@@ -169,6 +249,7 @@ class Proxy:
                 request_id,
             )
             return
+        send = watch.start(receive, send, pool.name)
         t0 = time.perf_counter()
         tok = await pool.tokenizer.tokenize(kind, body)  # type: ignore[arg-type]
         if tok.token_ids is None:
@@ -221,7 +302,9 @@ class Proxy:
             await send({"type": "http.response.body", "body": data})
             return
         msg = f"no replica could serve the request ({last_error})"
-        await self._send_simple(send, 502, _error_body(msg, "BadGatewayError", 502), request_id)
+        timed_out = last_error is not None and last_error.timeout
+        code, typ = (504, "GatewayTimeoutError") if timed_out else (502, "BadGatewayError")
+        await self._send_simple(send, code, _error_body(msg, typ, code), request_id)
 
     async def _forward(
         self,
@@ -257,9 +340,9 @@ class Proxy:
         status = 0
         try:
             try:
-                resp = await rep.upstream.post(url, raw, headers)
+                resp = await rep.upstream.post(url, raw, headers, ttfb_timeout=self._ttfb[stream])
             except UpstreamError as exc:
-                raise _Upstream(str(exc)) from None
+                raise _Upstream(str(exc), timeout=exc.timeout) from None
             try:
                 status = resp.status
                 out_headers = [
@@ -315,7 +398,7 @@ class Proxy:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 except UpstreamError as exc:
                     if first:
-                        raise _Upstream(str(exc)) from None
+                        raise _Upstream(str(exc), timeout=exc.timeout) from None
                     err = _error_body(
                         f"replica {label} failed mid-stream: {exc}",
                         "BadGatewayError",
@@ -338,7 +421,12 @@ class Proxy:
                     tail = stripper.usage
                 self._check(choice, key, label, tail, request_id)
             finally:
-                await resp.aclose()
+                await resp.aclose()  # closes the connection unless the answer was read whole
+        except asyncio.CancelledError:
+            if first and choice.pool.speculative is not None:
+                # the client left before any answer: the replica aborts; its events say what it kept
+                choice.pool.speculative.discard(choice.insertion)
+            raise
         finally:
             if pending:
                 self._release_pending(rep, rank, pending)
