@@ -77,6 +77,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     until the whole generation is done, so this bounds the whole generation: keep it above
     the longest one you serve, or a slow answer is abandoned and generated again on the next
     replica."""
+    header_timeout_s: float = 10.0
+    """Longest time a client may take to send a request line and headers, counted from the
+    connection's opening (or, on a kept-alive connection, from the request's first byte);
+    then the router closes the connection (slowloris)."""
     max_attempts: int = 3
     """Replicas tried per request (failover happens only before the first response byte)."""
     metrics_scrape_interval_s: float = 1.0
@@ -95,7 +99,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise ValueError("timeouts must be > 0 seconds")
-        for name in ("ttfb_timeout_s", "ttfb_timeout_nonstream_s"):
+        for name in ("ttfb_timeout_s", "ttfb_timeout_nonstream_s", "header_timeout_s"):
             value = getattr(self, name)
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value}")

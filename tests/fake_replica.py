@@ -26,7 +26,6 @@ from collections import Counter
 from typing import Any
 
 import msgspec
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -36,6 +35,8 @@ from events.publisher import EventPublisher
 from events.schema import BlockRemoved, BlockStored
 from gpu_emitter import tokenizer as bt
 from gpu_emitter.cli import bind_http
+from router.config import ServerConfig
+from router.server.http_server import make_server
 
 LAYOUT = ModelLayout(
     groups=(
@@ -283,15 +284,23 @@ class ServerThread:
     """uvicorn serving an ASGI app on 127.0.0.1 in a thread, started and stopped with
     deadlines (no sleeps as synchronisation).
 
-    The listening socket is bound here, before the thread starts (``port=None``: any free
-    port, no pick-then-bind race; a given port is re-bound with SO_REUSEADDR, so a stopped
-    server can take its port back), the way ``kvrouter replica`` binds its own."""
+    The server is the one ``kvrouter serve`` runs (:func:`router.server.http_server.make_server`)
+    with ``server``'s settings; by default, when ``app`` is the router's (``create_app``), its
+    own ``config.server`` and metrics, as in production, else the defaults. The listening
+    socket is bound here, before the thread starts (``port=None``: any free port, no
+    pick-then-bind race; a given port is re-bound with SO_REUSEADDR, so a stopped server can
+    take its port back), the way ``kvrouter replica`` binds its own."""
 
-    def __init__(self, app: Any, port: int | None = None) -> None:
+    def __init__(
+        self, app: Any, port: int | None = None, *, server: ServerConfig | None = None
+    ) -> None:
         self.sock = bind_http("127.0.0.1", port or 0)
         self.port: int = self.sock.getsockname()[1]
-        cfg = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
-        self.server = uvicorn.Server(cfg)
+        router = getattr(getattr(app, "state", None), "router", None)  # a RouterState
+        if server is None:
+            server = router.config.server if router is not None else ServerConfig()
+        metrics = router.metrics if router is not None else None
+        self.server = make_server(app, server, metrics=metrics, log_level="warning")
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )

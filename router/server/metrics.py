@@ -159,6 +159,11 @@ class RouterMetrics:
             ["pool", "phase"],
             registry=r,
         )
+        self.header_timeouts = Counter(
+            "kvrouter_header_timeouts",
+            "Connections closed because their request headers took over server.header_timeout_s",
+            registry=r,
+        )
         if snapshot is not None:
             r.register(_StateCollector(snapshot))
 
