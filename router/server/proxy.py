@@ -135,7 +135,8 @@ class _ClientWatch:
         await self._send(message)
 
     def stop(self) -> None:
-        if self._watcher is not None:
+        # after a complete response the server wakes the watcher itself (cheaper than a cancel)
+        if self._watcher is not None and not self.complete:
             self._watcher.cancel()
 
 
