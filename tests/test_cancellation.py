@@ -1,4 +1,5 @@
-"""Cancellation and time limits end to end: a client that leaves, a replica that hangs.
+"""Cancellation and time limits end to end: a client that leaves, a replica that hangs, a
+prompt that takes long to tokenize.
 
 A router in front of three fake replicas (real uvicorn servers on 127.0.0.1, real ZeroMQ
 events), driven by raw sockets so a test controls exactly when the client's connection
@@ -9,10 +10,12 @@ closes. The fakes record when the router closed a request before its answer was 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 from fake_replica import MODEL, FakeReplica
@@ -188,3 +191,63 @@ def test_all_replicas_hung_gives_a_504_after_max_attempts_ttfb(
     assert "TTFBTimeout" in err["message"]
     assert ATTEMPTS * ttfb <= took < ATTEMPTS * ttfb + 10
     wait_for(lambda: all(f.held == 0 for f in fakes(cluster)), 5, "every hung request closed")
+
+
+class _TimedTokenizer:
+    """The pool's own tokenizer, with the times each ``tokenize`` call began and ended."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.strategy = inner.strategy
+        self.spans: list[tuple[float, float]] = []
+
+    async def tokenize(self, kind: Any, body: dict[str, Any]) -> Any:
+        t0 = time.monotonic()
+        try:
+            return await self.inner.tokenize(kind, body)
+        finally:
+            self.spans.append((t0, time.monotonic()))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_the_router_answers_health_while_it_tokenizes_a_huge_prompt(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 4 MB prompt takes the builtin tokenizer ~0.4 s; meanwhile ``/health`` (polled one
+    request at a time) is answered several times. Tokenizing on the event loop, at most one
+    answer could arrive inside that span (the one sent before it began)."""
+    pool = cluster.router.server.config.app.state.router.pools[MODEL]
+    timed = _TimedTokenizer(pool.tokenizer)
+    monkeypatch.setattr(pool, "tokenizer", timed)
+    for f in fakes(cluster):
+        f.fail_status = 503  # answer at once: only the router's own work matters here
+    prompt = " ".join(f"x{i:09d}" for i in range(400_000))
+    result: list[int] = []
+    done = threading.Event()
+
+    def big() -> None:
+        try:
+            with httpx.Client(base_url=cluster.router.url, timeout=60) as c:
+                result.append(
+                    c.post("/v1/completions", json={"model": MODEL, "prompt": prompt}).status_code
+                )
+        finally:
+            done.set()
+
+    answered: list[float] = []
+    thread = threading.Thread(target=big)
+    thread.start()
+    try:
+        while not done.is_set():
+            assert cluster.http.get("/health").status_code == 200
+            answered.append(time.monotonic())
+    finally:
+        thread.join(60)
+    assert result == [503]
+    ((start, end),) = timed.spans
+    inside = [t for t in answered if start < t < end]
+    took = end - start
+    print(f"\n4 MB prompt tokenized in {took:.2f} s; /health answered {len(inside)} times then")
+    assert len(inside) >= 2
