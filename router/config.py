@@ -81,6 +81,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Longest time a client may take to send a request line and headers, counted from the
     connection's opening (or, on a kept-alive connection, from the request's first byte);
     then the router closes the connection (slowloris)."""
+    max_header_bytes: int = 1 << 16
+    """Largest request line + headers a client may send (bytes); larger gets 431 and the
+    connection is closed."""
     max_attempts: int = 3
     """Replicas tried per request (failover happens only before the first response byte)."""
     metrics_scrape_interval_s: float = 1.0
@@ -103,6 +106,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             value = getattr(self, name)
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.metrics_scrape_interval_s < 0:

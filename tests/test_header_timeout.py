@@ -1,5 +1,6 @@
 """Slowloris: the router's HTTP server closes connections whose request headers do not
-arrive within ``server.header_timeout_s``, and serves real clients meanwhile.
+arrive within ``server.header_timeout_s``, and serves real clients meanwhile; header blocks
+over ``server.max_header_bytes`` get 431.
 
 The router runs on the server ``kvrouter serve`` runs (router.server.http_server.make_server,
 through tests/fake_replica.py's ServerThread), in front of three fake replicas.
@@ -13,6 +14,7 @@ import statistics
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 from fake_replica import MODEL
 from test_proxy import Cluster, words
@@ -57,7 +59,7 @@ def wait_closed(socks: dict[socket.socket, float], deadline_s: float) -> dict[so
 
 
 def test_slowloris_connections_are_closed_after_the_header_timeout(cluster: Cluster) -> None:
-    counted = cluster.sample("kvrouter_header_timeouts_total")
+    counted = cluster.sample("kvrouter_header_refusals_total", reason="timeout")
     socks: dict[socket.socket, float] = {}
     try:
         for i in range(SLOW):
@@ -80,7 +82,7 @@ def test_slowloris_connections_are_closed_after_the_header_timeout(cluster: Clus
         )
         assert times[0] >= HEADER_TIMEOUT - EARLY  # not before the limit
         assert served < min(socks[s] + t for s, t in closed.items())  # served meanwhile
-        assert cluster.sample("kvrouter_header_timeouts_total") == counted + SLOW
+        assert cluster.sample("kvrouter_header_refusals_total", reason="timeout") == counted + SLOW
     finally:
         for s in socks:
             s.close()
@@ -108,3 +110,37 @@ def test_a_kept_alive_connection_gets_the_limit_for_each_request(cluster: Cluste
         s.sendall(b"GET /health HTTP/1.1\r\nhost: kvr")
         closed = wait_closed({s: t}, HEADER_TIMEOUT + 20)
         assert len(closed) == 1 and closed[s] >= HEADER_TIMEOUT - EARLY
+
+
+def read_all(s: socket.socket) -> bytes:
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    return got
+
+
+def test_oversized_headers_get_431_and_the_connection_closes(cluster: Cluster) -> None:
+    counted = cluster.sample("kvrouter_header_refusals_total", reason="too_large")
+    with connect(cluster) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: kvrouter\r\nx-big: " + b"a" * 70_000)
+        got = read_all(s)  # until the router closes
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431")
+    err = msgspec.json.decode(body)["error"]
+    assert err["code"] == 431 and "server.max_header_bytes" in err["message"]
+    assert cluster.sample("kvrouter_header_refusals_total", reason="too_large") == counted + 1
+
+
+def test_large_headers_under_the_limit_and_large_bodies_are_served(cluster: Cluster) -> None:
+    """Only the header block counts: 60 KB of headers pass, and a 2 MB body sent with its
+    headers in one write is read as a body (the router answers it: not JSON, 400)."""
+    r = cluster.http.get("/health", headers={"x-big": "a" * 60_000})
+    assert r.status_code == 200
+    body = b"x" * (2 << 20)
+    with connect(cluster) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: kvrouter\r\nconnection: close\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        got = read_all(s)
+    assert got.startswith(b"HTTP/1.1 400"), got[:200]

@@ -159,9 +159,11 @@ class RouterMetrics:
             ["pool", "phase"],
             registry=r,
         )
-        self.header_timeouts = Counter(
-            "kvrouter_header_timeouts",
-            "Connections closed because their request headers took over server.header_timeout_s",
+        self.header_refusals = Counter(
+            "kvrouter_header_refusals",
+            "Connections closed for their request headers: timeout (over server."
+            "header_timeout_s) or too_large (over server.max_header_bytes, answered 431)",
+            ["reason"],
             registry=r,
         )
         if snapshot is not None:
