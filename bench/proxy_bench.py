@@ -94,6 +94,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_backend(env: dict) -> tuple[subprocess.Popen, int, str, str]:
+    """One fake backend (``BACKEND``) on a free port, listening: the process, its port, and
+    its event and replay endpoints."""
+    port = free_port()
+    p = subprocess.Popen(
+        [sys.executable, "-c", BACKEND, str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert p.stdout is not None
+    ep, rep = p.stdout.readline().split()
+    wait_port(port, p)
+    return p, port, ep, rep
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time of process ``pid``, summed over its threads.
 
@@ -281,14 +295,8 @@ def main() -> int:
     try:
         backends = []
         for _ in range(2):
-            port = free_port()
-            p = subprocess.Popen(
-                [sys.executable, "-c", BACKEND, str(port)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-            )  # fmt: skip
+            p, port, ep, rep = start_backend(env)
             procs.append(p)
-            ep, rep = p.stdout.readline().split()
-            wait_port(port, p)
             backends.append((port, ep, rep))
         routers: dict[str, tuple[int, subprocess.Popen]] = {}
         for client in clients:

@@ -89,7 +89,12 @@ class HttpxPool:
         )
 
     async def post(
-        self, path: str, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+        self,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        *,
+        ttfb_timeout: float | None = None,  # not mapped: the A/B measures answered requests
     ) -> _HttpxResponse:
         client = self._client
         request = client.build_request("POST", path, content=body, headers=list(headers))
@@ -149,7 +154,12 @@ class AiohttpPool:
         self._session: aiohttp.ClientSession | None = None
 
     async def post(
-        self, path: str, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+        self,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        *,
+        ttfb_timeout: float | None = None,  # not mapped: the A/B measures answered requests
     ) -> _AiohttpResponse:
         session = self._session
         if session is None:

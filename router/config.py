@@ -17,6 +17,7 @@ source it came from: ``router.toml: Expected `int`, got `str` - at `$.server.por
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -85,7 +86,25 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mutations. Any other ``Origin`` (or ``Sec-Fetch-Site: cross-site``) gets 403."""
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
-    """Longest silence between two bytes of a replica's response."""
+    """Longest silence between two bytes of a replica's response, once its first byte came
+    (the stream idle timeout)."""
+    ttfb_timeout_s: float = 30.0
+    """Streaming requests: longest wait from sending the request to a replica to the first
+    byte of its response; then the next replica is tried (``max_attempts``). vLLM starts a
+    stream's response before the first token, so this finds a hung replica without limiting
+    queueing or prefill (the wait for the first token is bounded by ``read_timeout_s``)."""
+    ttfb_timeout_nonstream_s: float = 600.0
+    """The same for non-streaming requests. vLLM sends nothing of a non-streaming answer
+    until the whole generation is done, so this bounds the whole generation: keep it above
+    the longest one you serve, or a slow answer is abandoned and generated again on the next
+    replica."""
+    header_timeout_s: float = 10.0
+    """Longest time a client may take to send a request line and headers, counted from the
+    connection's opening (or, on a kept-alive connection, from the request's first byte);
+    then the router closes the connection (slowloris)."""
+    max_header_bytes: int = 1 << 16
+    """Largest request line + headers a client may send (bytes); larger gets 431 and the
+    connection is closed."""
     max_attempts: int = 3
     """Replicas tried per request (failover happens only before the first response byte)."""
     metrics_scrape_interval_s: float = 1.0
@@ -105,6 +124,12 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"{f} must be >= 1024, got {getattr(self, f)}")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise ValueError("timeouts must be > 0 seconds")
+        for name in ("ttfb_timeout_s", "ttfb_timeout_nonstream_s", "header_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.metrics_scrape_interval_s < 0:

@@ -8,7 +8,12 @@ Its ``cached_tokens`` is the hit of what it holds, by a rule written out here fo
 layout (:meth:`FakeReplica.own_hit`) and not by the router's code, so a router test that
 compares the router's prediction with it compares two independent implementations (plus
 ``lie_by`` when a test wants a mismatch). Test knobs: ``fail_status`` (answer 5xx),
-``die_after_chunks`` (drop the connection mid-stream), ``evict_swa(prompt)``.
+``die_after_chunks`` (drop the connection mid-stream), ``evict_swa(prompt)``, ``stall``
+(accept requests and never answer them, like a hung replica or a long non-streaming
+generation), ``token_interval_s`` (stream one token per interval, like a real decode).
+``disconnects`` records when a client (the router) closed a request before its answer was
+complete, as vLLM notices it to abort the request: a stalled request ends when its
+connection's ``http.disconnect`` arrives, a stream when Starlette cancels it on disconnect.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from collections import Counter
 from typing import Any
 
 import msgspec
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -31,6 +35,8 @@ from events.publisher import EventPublisher
 from events.schema import BlockRemoved, BlockStored
 from gpu_emitter import tokenizer as bt
 from gpu_emitter.cli import bind_http
+from router.config import ServerConfig
+from router.server.http_server import make_server
 
 LAYOUT = ModelLayout(
     groups=(
@@ -66,6 +72,12 @@ class FakeReplica:
         """Running requests of other clients that ``/metrics`` reports on top of the router's."""
         self.requests = 0
         self.last_headers: dict[str, str] = {}
+        self.stall = False
+        self.token_interval_s = 0.0
+        self.held = 0
+        """Requests being held now by ``stall`` or in a stream still going."""
+        self.disconnects: list[float] = []
+        """``time.monotonic()`` of each request whose client left before the answer ended."""
         self.app = self._build()
 
     # ---------------------------------------------------------------- cache
@@ -153,8 +165,18 @@ class FakeReplica:
             self.last_headers = dict(request.headers)
             if self.fail_status:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=self.fail_status)
+            body_raw = await request.body()
+            if self.stall:
+                self.held += 1
+                try:  # after the body, receive() returns only when the client has gone
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+                    self.disconnects.append(time.monotonic())
+                finally:
+                    self.held -= 1
+                return Response(status_code=500)  # nobody is there to read it
             try:  # what vLLM would refuse with 400 (a fuzzer sends anything the schema allows)
-                body = msgspec.json.decode(await request.body())
+                body = msgspec.json.decode(body_raw)
                 self.last_body = body
                 ids = tokens(kind, body)
                 if not ids or not all(type(t) is int and 0 <= t < 1 << 31 for t in ids):
@@ -189,21 +211,31 @@ class FakeReplica:
                 )  # fmt: skip
             include_usage = (body.get("stream_options") or {}).get("include_usage")
             die = self.die_after_chunks
+            interval = self.token_interval_s
 
             async def gen():
-                for i, w in enumerate(words):
-                    if die is not None and i >= die:
-                        raise RuntimeError("replica died mid-stream")
-                    chunk = {
-                        "id": rid, "object": obj + ".chunk", "model": self.model,
-                        "choices": [{"index": 0, "text": (" " if i else "") + w}],
-                    }  # fmt: skip
-                    yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
-                    await asyncio.sleep(0)
-                if include_usage:
-                    last = {"id": rid, "object": obj + ".chunk", "choices": [], "usage": usage}
-                    yield b"data: " + msgspec.json.encode(last) + b"\n\n"
-                yield b"data: [DONE]\n\n"
+                self.held += 1
+                ended = False
+                try:
+                    for i, w in enumerate(words):
+                        if die is not None and i >= die:
+                            ended = True
+                            raise RuntimeError("replica died mid-stream")
+                        chunk = {
+                            "id": rid, "object": obj + ".chunk", "model": self.model,
+                            "choices": [{"index": 0, "text": (" " if i else "") + w}],
+                        }  # fmt: skip
+                        yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                        await asyncio.sleep(interval)  # the decode step of one token
+                    if include_usage:
+                        last = {"id": rid, "object": obj + ".chunk", "choices": [], "usage": usage}
+                        yield b"data: " + msgspec.json.encode(last) + b"\n\n"
+                    yield b"data: [DONE]\n\n"
+                    ended = True
+                finally:
+                    self.held -= 1
+                    if not ended:  # cancelled: the client went away
+                        self.disconnects.append(time.monotonic())
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 
@@ -264,15 +296,23 @@ class ServerThread:
     """uvicorn serving an ASGI app on 127.0.0.1 in a thread, started and stopped with
     deadlines (no sleeps as synchronisation).
 
-    The listening socket is bound here, before the thread starts (``port=None``: any free
-    port, no pick-then-bind race; a given port is re-bound with SO_REUSEADDR, so a stopped
-    server can take its port back), the way ``kvrouter replica`` binds its own."""
+    The server is the one ``kvrouter serve`` runs (:func:`router.server.http_server.make_server`)
+    with ``server``'s settings; by default, when ``app`` is the router's (``create_app``), its
+    own ``config.server`` and metrics, as in production, else the defaults. The listening
+    socket is bound here, before the thread starts (``port=None``: any free port, no
+    pick-then-bind race; a given port is re-bound with SO_REUSEADDR, so a stopped server can
+    take its port back), the way ``kvrouter replica`` binds its own."""
 
-    def __init__(self, app: Any, port: int | None = None) -> None:
+    def __init__(
+        self, app: Any, port: int | None = None, *, server: ServerConfig | None = None
+    ) -> None:
         self.sock = bind_http("127.0.0.1", port or 0)
         self.port: int = self.sock.getsockname()[1]
-        cfg = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
-        self.server = uvicorn.Server(cfg)
+        router = getattr(getattr(app, "state", None), "router", None)  # a RouterState
+        if server is None:
+            server = router.config.server if router is not None else ServerConfig()
+        metrics = router.metrics if router is not None else None
+        self.server = make_server(app, server, metrics=metrics, log_level="warning")
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )

@@ -43,6 +43,9 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
     cfg = load_config(f, environ=env)
     assert (cfg.server.port, cfg.index.max_bytes, cfg.server.max_attempts) == (7001, 2097152, 2)
     assert load_config(f, environ=env, flags={"port": 7002, "host": None}).server.port == 7002
+    env = {"KVROUTER_TTFB_TIMEOUT_S": "5", "KVROUTER_HEADER_TIMEOUT_S": "2.5"}
+    s = load_config(f, environ=env).server
+    assert (s.ttfb_timeout_s, s.header_timeout_s, s.ttfb_timeout_nonstream_s) == (5, 2.5, 600)
 
 
 def test_health_env_overrides_and_example_defaults(tmp_path: Path) -> None:
@@ -86,6 +89,11 @@ def test_health_env_overrides_and_example_defaults(tmp_path: Path) -> None:
         ),
         ("[server\n", ["not valid TOML"]),
         ("[index]\nmax_groups = 0\n" + MINIMAL, ["max_groups", "$.index"]),
+        ("[server]\nttfb_timeout_s = 0\n" + MINIMAL, ["ttfb_timeout_s", "> 0", "$.server"]),
+        ("[server]\nttfb_timeout_nonstream_s = nan\n" + MINIMAL, ["ttfb_timeout_nonstream_s"]),
+        ("[server]\nheader_timeout_s = inf\n" + MINIMAL, ["header_timeout_s", "$.server"]),
+        ("[server]\nheader_timeout_s = -1\n" + MINIMAL, ["header_timeout_s", "$.server"]),
+        ("[server]\nmax_header_bytes = 100\n" + MINIMAL, ["max_header_bytes", ">= 1024"]),
         ("[index]\nmax_block_size = -1\n" + MINIMAL, ["max_block_size", "$.index"]),
     ],
 )

@@ -108,8 +108,13 @@ class Cluster:
             fake.die_after_chunks = None
             fake.lie_by = 0
             fake.others_running = 0
+            fake.stall = False
+            fake.token_interval_s = 0.0
         for name in self.fakes:
             self.http.post(f"/admin/replicas/{name}/undrain", headers=self.admin)
+        # a test's held requests end when the router or the client closes them
+        fakes = [f for f, _ in self.fakes.values()]
+        wait_for(lambda: all(f.held == 0 for f in fakes), 10, "every held request released")
 
     def close(self) -> None:
         self.http.close()
@@ -127,11 +132,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster()
-    try:
+    with Cluster() as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture(autouse=True)

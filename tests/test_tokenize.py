@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 
 import pytest
 from hypothesis import given, settings
@@ -13,8 +14,10 @@ from shared_paths import GOLDEN, require
 from gpu_emitter import tokenizer as bt
 from router.config import TokenizerConfig
 from router.core.tokenize import (
+    OFF_LOOP_CHARS,
     BuiltinTokenizer,
     LocalTokenizer,
+    Tokenized,
     TokenizerSetupError,
     make_tokenizer,
     prompt_input,
@@ -139,3 +142,80 @@ def test_builtin_chat_equals_the_replica_tokenizer(messages: list, gen: bool) ->
         assert got.token_ids is None and got.reason == "tokenizer_rejected"
     else:
         assert got.token_ids == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=_text | st.text(st.sampled_from("ab \t\n\x0b\x0c\r\x1c\x85\xa0\u2028\u3000")),
+    k=st.integers(1, 6),
+)
+def test_builtin_slices_give_the_words_of_the_whole_text(text: str, k: int) -> None:
+    """A long text is split in slices cut at whitespace; any slice size gives its words."""
+    tok = BuiltinTokenizer()
+    assert tok._encode(text, True, chunk=k) == [2, *map(tok._id, text.split())]
+
+
+def test_a_word_longer_than_many_slices_stays_one_word() -> None:
+    tok = BuiltinTokenizer()
+    text = "w1 " + "x" * 50 + " w2\u3000" + "y" * 7
+    assert tok._encode(text, False, chunk=4) == [*map(tok._id, text.split())]
+    assert len(tok._encode(text, False, chunk=4)) == 4
+
+
+def _big_words(n: int) -> str:
+    """``n`` words, none memoised yet (each one is hashed: the tokenizer's slow path)."""
+    return " ".join(f"x{i:09d}" for i in range(n))
+
+
+def _loop_turns_during(tokenize: Callable[[], Awaitable[Tokenized]]) -> tuple[int, Tokenized]:
+    """How often another task on the loop ran while ``tokenize()`` was awaited, and its
+    result."""
+
+    async def main() -> tuple[int, Tokenized]:
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)  # the ticker has started
+        start = ticks
+        got = await tokenize()
+        during = ticks - start
+        stop.set()
+        await task
+        return during, got
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_large_prompt_is_tokenized_while_the_event_loop_runs(kind: str) -> None:
+    """Over OFF_LOOP_CHARS the builtin tokenizer works on its worker thread: a task on the
+    same loop keeps running meanwhile (inline, it could not run until tokenizing ended), and
+    the ids are those of tokenizing inline."""
+    text = _big_words(200_000)  # 2 MB
+    assert len(text) > OFF_LOOP_CHARS
+    body = (
+        {"prompt": text}
+        if kind == "completion"
+        else {"messages": [{"role": "user", "content": text}]}
+    )
+    tok = BuiltinTokenizer()
+    during, got = _loop_turns_during(lambda: tok.tokenize(kind, body))  # type: ignore[arg-type]
+    assert during >= 3, f"the loop ran {during} times while 2 MB were tokenized"
+    assert got.token_ids == BuiltinTokenizer().tokenize_sync(kind, body).token_ids  # type: ignore[arg-type]
+    asyncio.run(tok.aclose())
+
+
+def test_a_large_prompt_through_the_local_tokenizer_keeps_the_loop_running(
+    local: LocalTokenizer,
+) -> None:
+    body = {"prompt": " ".join(f"w{i % 2000}" for i in range(200_000))}
+    during, got = _loop_turns_during(lambda: local.tokenize("completion", body))
+    assert during >= 3, f"the loop ran {during} times while 1.2 MB were tokenized"
+    assert got.token_ids == local.tokenize_sync("completion", body).token_ids

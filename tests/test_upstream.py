@@ -173,10 +173,63 @@ def test_connect_error_and_read_timeout() -> None:
 
         async with Server(silent) as srv:
             pool = UpstreamPool(srv.url, read_timeout=0.2)
-            with pytest.raises(UpstreamError, match="ReadTimeout"):
+            # no ttfb_timeout: the wait for the first byte is bounded by read_timeout
+            with pytest.raises(UpstreamError, match=r"TTFBTimeout.* 0\.2 s") as ei:
                 await pool.post("/", b"x")
+            assert ei.value.timeout and not ei.value.received
             assert not pool._idle and not pool._busy
             never.set()
+
+    run(main())
+
+
+def test_ttfb_timeout_is_separate_from_the_idle_timeout() -> None:
+    """``ttfb_timeout`` bounds the wait for the first byte; after it ``read_timeout`` bounds
+    each silence: a replica that answers at once and then pauses longer than the TTFB limit
+    (but less than the idle limit) is fine, a silent one fails after the TTFB limit."""
+    never = asyncio.Event()
+
+    async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        if n == 1:
+            await never.wait()  # the second request gets no answer at all
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.5)  # the scripted replica pauses 0.5 s (> ttfb_timeout)
+        writer.write(b"3\r\ndef\r\n0\r\n\r\n")
+        return True
+
+    async def main() -> None:
+        async with Server(h) as srv:
+            pool = UpstreamPool(srv.url, read_timeout=10)
+            loop = asyncio.get_running_loop()
+            resp = await pool.post("/", b"1", ttfb_timeout=0.2)
+            assert [c async for c in resp] == [b"abc", b"def"]
+            await resp.aclose()
+            t0 = loop.time()
+            with pytest.raises(UpstreamError, match=r"TTFBTimeout.* 0\.2 s") as ei:
+                await pool.post("/", b"2", ttfb_timeout=0.2)
+            assert ei.value.timeout and not ei.value.received
+            assert 0.2 <= loop.time() - t0 < 5  # not the 10 s read_timeout
+            assert not pool._idle and not pool._busy  # the silent connection is closed
+            never.set()
+
+    run(main())
+
+
+def test_ttfb_timeout_covers_a_replica_that_does_not_read_the_request() -> None:
+    """A listener that never accepts (a stopped process: the kernel completes the handshake
+    and buffers what it can): writing a body larger than the socket buffers blocks, and the
+    TTFB limit ends that wait too."""
+
+    async def main() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen(8)
+            pool = UpstreamPool(f"http://127.0.0.1:{s.getsockname()[1]}", read_timeout=30)
+            with pytest.raises(UpstreamError, match="TTFBTimeout") as ei:
+                await pool.post("/", b"x" * (64 << 20), ttfb_timeout=0.3)
+            assert ei.value.timeout
+            assert not pool._busy and not pool._idle
 
     run(main())
 
@@ -219,7 +272,7 @@ def test_timeout_on_reused_connection_is_not_retried() -> None:
             resp = await pool.post("/", b"1")
             await resp.read()
             await resp.aclose()
-            with pytest.raises(UpstreamError, match="ReadTimeout"):
+            with pytest.raises(UpstreamError, match="TTFBTimeout"):
                 await pool.post("/", b"2")
             assert len(srv.requests) == 2  # sent once: a slow server is not a closed one
             never.set()

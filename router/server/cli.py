@@ -53,22 +53,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import logging
 
-    import uvicorn
-
     from router.server.app import create_app
+    from router.server.http_server import make_server
 
     logging.basicConfig(level=config.server.log_level.upper())
     app = create_app(config)
-    uvicorn.run(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        log_level=config.server.log_level,
-        access_log=False,
-        lifespan="on",
-        # "auto" picks httptools and uvloop (both dependencies) over h11 and plain asyncio.
-        http="auto",
-        loop="auto",
-        proxy_headers=False,  # no X-Forwarded-* rewriting middleware on the hot path
-    )
-    return 0
+    server = make_server(app, config.server, metrics=app.state.router.metrics)
+    server.run()
+    return 0 if server.started else 3  # 3: could not start (uvicorn.run's exit code)

@@ -175,6 +175,20 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "kvrouter_in_flight", "Requests in flight per replica", ["replica"], registry=r
         )
+        self.client_disconnects = Counter(
+            "kvrouter_client_disconnects",
+            "Clients gone before their answer was complete (the replica's request is closed):"
+            " phase waiting (nothing sent yet) or streaming",
+            ["pool", "phase"],
+            registry=r,
+        )
+        self.header_refusals = Counter(
+            "kvrouter_header_refusals",
+            "Connections closed for their request headers: timeout (over server."
+            "header_timeout_s) or too_large (over server.max_header_bytes, answered 431)",
+            ["reason"],
+            registry=r,
+        )
         if snapshot is not None:
             r.register(_StateCollector(snapshot))
 

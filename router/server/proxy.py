@@ -17,6 +17,18 @@ Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it cos
 * **Health.** Every attempt's outcome (first byte, or failure before it) feeds the replica's
   health (router.server.health): consecutive failures eject it, and ejected or down
   replicas are not candidates (``PoolState.rotation``).
+* **Time limits.** ``server.ttfb_timeout_s`` (streaming requests) and
+  ``server.ttfb_timeout_nonstream_s`` bound the wait for a replica's first response byte; on
+  expiry the next replica is tried, as for any failure before the first byte. When the last
+  attempt timed out the client gets 504 (else 502). After the first byte,
+  ``server.read_timeout_s`` bounds each silence.
+* **Cancellation.** Once the request body is read, a task awaits the client's ``receive``
+  channel: the server reports ``http.disconnect`` there when the client's connection closes
+  (``send`` to a closed connection returns silently, so nothing else would tell). The
+  request's task is then cancelled wherever it waits (tokenizing, on the replica's answer, in
+  the middle of a stream); unwinding closes the replica's connection (never back to the
+  keep-alive pool), which is how vLLM learns to abort the request. Counted in
+  ``kvrouter_client_disconnects_total{pool,phase}``.
 * Response headers ``x-kvrouter-replica`` (``name`` or ``name/dp<rank>`` with several ranks)
   and ``x-kvrouter-predicted-hit`` say where the request went and what hit was expected.
 * **Prediction error loop.** When the response carries
@@ -30,6 +42,7 @@ Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it cos
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -114,9 +127,58 @@ def _decode_problem(raw: bytes) -> tuple[Any, str | None]:
 class _Upstream(Exception):
     """An attempt that failed before the first byte reached the client."""
 
-    def __init__(self, why: str, response: tuple[int, list, bytes] | None = None) -> None:
+    def __init__(
+        self, why: str, response: tuple[int, list, bytes] | None = None, timeout: bool = False
+    ) -> None:
         super().__init__(why)
         self.response = response
+        self.timeout = timeout
+
+
+class _ClientWatch:
+    """Whether the client is still connected while its answer is prepared and forwarded.
+
+    :meth:`start` (after the request body was read) runs a task that awaits ``receive``:
+    from then on the server returns from it only with ``http.disconnect``, when the client's
+    connection is lost or the response is complete. Before completion it means the client is
+    gone, and the request's task is cancelled. :meth:`send` wraps the server's ``send`` to
+    know whether the response started (the phase counted) or completed (a late disconnect
+    message then means nothing).
+    """
+
+    __slots__ = ("_send", "_task", "_watcher", "complete", "gone", "pool", "started")
+
+    def __init__(self) -> None:
+        self._watcher: asyncio.Task[None] | None = None
+        self.gone = self.started = self.complete = False
+        self.pool = ""
+
+    def start(self, receive: Any, send: Any, pool: str) -> Any:
+        """Watch the client from now on; returns the ``send`` to use."""
+        self._send = send
+        self.pool = pool
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        return self.send
+
+    async def _watch(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.complete and self._task is not None:
+            self.gone = True
+            self._task.cancel()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif not message.get("more_body", False):
+            self.complete = True
+        await self._send(message)
+
+    def stop(self) -> None:
+        # after a complete response the server wakes the watcher itself (cheaper than a cancel)
+        if self._watcher is not None and not self.complete:
+            self._watcher.cancel()
 
 
 class Proxy:
@@ -126,6 +188,7 @@ class Proxy:
         m = state.metrics
         self._decision = {}
         self._m = m
+        self._ttfb = {True: self.cfg.ttfb_timeout_s, False: self.cfg.ttfb_timeout_nonstream_s}
 
     async def _send_simple(
         self,
@@ -150,6 +213,24 @@ class Proxy:
         await send({"type": "http.response.body", "body": body})
 
     async def handle(self, kind: str, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Serve one request; a client that goes away cancels it (module docstring)."""
+        watch = _ClientWatch()
+        try:
+            await self._handle(kind, scope, receive, send, watch)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not watch.gone or task is None:
+                raise  # a shutdown, not this client
+            task.uncancel()
+            phase = "streaming" if watch.started else "waiting"
+            self._m.client_disconnects.labels(watch.pool, phase).inc()
+            log.debug("client gone (%s); its upstream request is closed", phase)
+        finally:
+            watch.stop()
+
+    async def _handle(
+        self, kind: str, scope: dict[str, Any], receive: Any, send: Any, watch: _ClientWatch
+    ) -> None:
         limit = self.cfg.max_body_bytes
         request_id = None
         fwd: list[tuple[bytes, bytes]] = []
@@ -210,6 +291,7 @@ class Proxy:
                 send, 404, msg, request_id, param="model", reason="unknown_model"
             )
             return
+        send = watch.start(receive, send, pool.name)
         t0 = time.perf_counter()
         tok = await pool.tokenizer.tokenize(kind, body)  # type: ignore[arg-type]
         if tok.token_ids is None:
@@ -266,11 +348,13 @@ class Proxy:
             await send({"type": "http.response.body", "body": data})
             return
         # the causes name replica addresses: they are in the log and /admin, not for clients
+        timed_out = last_error is not None and last_error.timeout
+        what = "answered in time" if timed_out else "could serve the request"
         msg = (
-            f"no replica could serve the request (request id {request_id.decode('latin-1')}; "
+            f"no replica {what} (request id {request_id.decode('latin-1')}; "
             "the causes are in the router's log and GET /admin/replicas)"
         )
-        await self._send_simple(send, 502, msg, request_id)
+        await self._send_simple(send, 504 if timed_out else 502, msg, request_id)
 
     async def _too_large(self, send: Any, request_id: bytes) -> None:
         limit = self.cfg.max_body_bytes
@@ -311,9 +395,9 @@ class Proxy:
         status = 0
         try:
             try:
-                resp = await rep.upstream.post(url, raw, headers)
+                resp = await rep.upstream.post(url, raw, headers, ttfb_timeout=self._ttfb[stream])
             except UpstreamError as exc:
-                raise _Upstream(str(exc)) from None
+                raise _Upstream(str(exc), timeout=exc.timeout) from None
             try:
                 status = resp.status
                 out_headers = [
@@ -371,7 +455,7 @@ class Proxy:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 except UpstreamError as exc:
                     if first:
-                        raise _Upstream(str(exc)) from None
+                        raise _Upstream(str(exc), timeout=exc.timeout) from None
                     rep.last_error = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} mid-stream: {exc}"
                     log.warning("replica %s (%s) failed mid-stream: %s", label, rep.cfg.url, exc)
                     err = error_body(502, f"replica {label} failed mid-stream")
@@ -392,7 +476,12 @@ class Proxy:
                     tail = stripper.usage
                 self._check(choice, key, label, tail, request_id)
             finally:
-                await resp.aclose()
+                await resp.aclose()  # closes the connection unless the answer was read whole
+        except asyncio.CancelledError:
+            if first and choice.pool.speculative is not None:
+                # the client left before any answer: the replica aborts; its events say what it kept
+                choice.pool.speculative.discard(choice.insertion)
+            raise
         finally:
             if pending:
                 self._release_pending(rep, rank, pending)

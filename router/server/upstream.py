@@ -40,8 +40,12 @@ What it does, and what it deliberately does not:
   keep-alive, otherwise it is closed. Idle ones beyond ``max_idle`` are closed.
 * Responses framed by ``Content-Length``, chunked transfer coding, or the end of the
   connection. Bodies are passed through as received (no content decoding).
-* ``connect_timeout`` bounds the TCP connect; ``read_timeout`` bounds every silence while a
-  response is awaited (the same meaning as httpx's read timeout).
+* ``connect_timeout`` bounds the TCP connect. ``post(..., ttfb_timeout=)`` bounds the time
+  from writing the request (the write included: a replica that stopped reading cannot block
+  it) to the first byte of the response; after that byte, ``read_timeout`` bounds every
+  silence (the same meaning as httpx's read timeout). Without ``ttfb_timeout`` the wait for
+  the first byte is bounded by ``read_timeout`` too. Either expiry raises
+  :class:`UpstreamError` with ``timeout=True``.
 * A reused connection that the server closed while idle (keep-alive race) fails before any
   response byte; such a request is sent once more on a fresh connection. Nothing else is
   retried here: failover across replicas is the proxy's job.
@@ -82,11 +86,14 @@ class UpstreamError(Exception):
 
     ``received`` is True once any byte of the response arrived (the request reached the server
     and something came back); before that, the proxy may fail over to another replica.
+    ``timeout`` is True when a time limit ended it (the proxy answers 504, not 502, when no
+    replica answered in time).
     """
 
-    def __init__(self, message: str, *, received: bool = False) -> None:
+    def __init__(self, message: str, *, received: bool = False, timeout: bool = False) -> None:
         super().__init__(message)
         self.received = received
+        self.timeout = timeout
 
 
 class _Conn(asyncio.Protocol):
@@ -221,12 +228,14 @@ class _Conn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def wait(self, timeout: float) -> None:
-        """Until the parser or the socket has news, at most ``timeout`` seconds."""
+    async def wait(self, timeout: float, expired: str | None = None) -> None:
+        """Until the parser or the socket has news, at most ``timeout`` seconds (then an
+        :class:`UpstreamError` saying ``expired``, or that the replica was silent)."""
         if self._error is not None:
             raise self._error
         fut = self._waiter = self._loop.create_future()
-        handle = self._loop.call_later(timeout, _expire, fut, timeout)
+        why = expired or f"ReadTimeout: no data from the replica for {timeout} s"
+        handle = self._loop.call_later(timeout, _expire, fut, why)
         try:
             await fut
         finally:
@@ -245,12 +254,19 @@ class _Conn(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes, timeout: float, expired: str) -> None:
+        """Write ``data``; while the socket buffer is full, wait at most ``timeout`` seconds
+        for the replica to read (then an :class:`UpstreamError` saying ``expired``)."""
         if self.transport is None or self.closed:
             raise UpstreamError("the connection to the replica is closed", received=False)
         self.transport.write(data)
-        if self._drain is not None and not self._drain.done():
-            await self._drain
+        drain = self._drain
+        if drain is not None and not drain.done():
+            handle = self._loop.call_later(timeout, _expire, drain, expired)
+            try:
+                await drain
+            finally:
+                handle.cancel()
             if self._error is not None:
                 raise self._error
 
@@ -260,9 +276,9 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
-def _expire(fut: asyncio.Future[None], timeout: float) -> None:
+def _expire(fut: asyncio.Future[None], message: str) -> None:
     if not fut.done():
-        fut.set_exception(UpstreamError(f"ReadTimeout: no data from the replica for {timeout} s"))
+        fut.set_exception(UpstreamError(message, timeout=True))
 
 
 class UpstreamResponse:
@@ -397,15 +413,26 @@ class UpstreamPool:
         return b"".join(lines)
 
     async def post(
-        self, path: str, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+        self,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        *,
+        ttfb_timeout: float | None = None,
     ) -> UpstreamResponse:
         """Send ``POST path`` and wait for the response's status and headers.
 
         ``headers`` must not hold ``host``, ``content-length`` or hop-by-hop headers (the
-        proxy drops them). Raises :class:`UpstreamError`; ``received`` says whether any
-        response byte came back.
+        proxy drops them). ``ttfb_timeout``: at most this many seconds from the start of the
+        write to the response's first byte (default ``read_timeout``). Raises
+        :class:`UpstreamError`; ``received`` says whether any response byte came back.
+        Cancelled (the client went away), it closes the connection: the replica sees the
+        request end, and vLLM aborts it.
         """
         data = self.head(path, headers, len(body)) + body
+        ttfb = self.read_timeout if ttfb_timeout is None else ttfb_timeout
+        expired = f"TTFBTimeout: no response from the replica within {ttfb} s"
+        loop = asyncio.get_running_loop()
         conn = self._acquire_idle()
         reused = conn is not None
         if conn is None:
@@ -413,9 +440,17 @@ class UpstreamPool:
         while True:
             self._busy.add(conn)
             try:
-                await conn.write(data)
+                deadline = loop.time() + ttfb
+                await conn.write(data, ttfb, expired)
                 while not conn.headers_done:
-                    await conn.wait(self.read_timeout)
+                    if conn.got_bytes:  # it answers: now only silences are bounded
+                        await conn.wait(self.read_timeout)
+                        continue
+                    try:
+                        await conn.wait(max(0.0, deadline - loop.time()), expired)
+                    except UpstreamError as exc:
+                        if not (exc.timeout and conn.got_bytes):
+                            raise
                 return UpstreamResponse(self, conn)
             except UpstreamError:
                 self._busy.discard(conn)
