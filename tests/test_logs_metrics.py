@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -140,6 +141,19 @@ def test_every_v1_answer_is_counted_with_pool_replica_and_status_class(cluster: 
         ("", "", "200", "2xx"): 1.0,  # GET /v1/models
     }
     settle(lambda: delta(before, requests_total(http)), want, "each answer counted once")
+
+
+def test_a_client_gone_before_its_body_is_a_499(cluster: Cluster) -> None:
+    """No response could be sent: counted as 499 (nginx's "client closed request")."""
+    before = requests_total(cluster.http)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        "content-length: 1000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", cluster.router.port), timeout=10) as sock:
+        sock.sendall(head.encode() + b'{"model": "')
+    want = {("", "", "499", "4xx"): 1.0}
+    settle(lambda: delta(before, requests_total(cluster.http)), want, "the 499")
 
 
 def test_the_routers_own_5xx_and_the_doors_401_are_counted() -> None:
