@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any, TextIO
@@ -43,14 +44,21 @@ def timestamp(created: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(secs)) + f".{ms:03d}Z"
 
 
+_QUOTE = re.compile(r'[\s="\\]')
+
+
 def _logfmt(value: Any) -> str:
+    """A logfmt value: ``-`` for None, floats to 6 digits, text quoted when it must be."""
     if value is None:
         return "-"
-    if isinstance(value, float):
+    kind = type(value)
+    if kind is int or kind is bool:
+        return str(value)
+    if kind is float:
         return f"{value:.6g}"
     text = str(value)
-    if not text or any(c in text for c in ' ="\n\t\\'):
-        return json.dumps(text)
+    if not text or _QUOTE.search(text):
+        return json.dumps(text, ensure_ascii=False)
     return text
 
 
