@@ -350,11 +350,12 @@ def test_admin_changes_mismatches_and_mid_stream_failures_are_logged(
 
 def test_formatters() -> None:
     rec = logging.LogRecord("kvrouter.x", logging.INFO, __file__, 1, "hello %s", ("you",), None)
-    rec.__dict__.update(kv(pool="p", error='a "b"', n=3, ms=0.1234567, none=None, message="m"))
+    fields = kv(pool="p", error='a "b"', n=3, ok=True, ms=0.1234567, none=None, message="m")
+    rec.__dict__.update(fields)
     text = TextFormatter().format(rec)
     assert re.fullmatch(
-        TS.pattern + r' INFO kvrouter\.x: hello you pool=p error="a \\"b\\"" n=3 ms=0\.123457 '
-        r"none=- message=m",
+        TS.pattern + r' INFO kvrouter\.x: hello you pool=p error="a \\"b\\"" n=3 ok=true '
+        r"ms=0\.123457 none=- message=m",
         text,
     ), text
     line = json.loads(JsonFormatter().format(rec))

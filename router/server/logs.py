@@ -48,11 +48,14 @@ _QUOTE = re.compile(r'[\s="\\]')
 
 
 def _logfmt(value: Any) -> str:
-    """A logfmt value: ``-`` for None, floats to 6 digits, text quoted when it must be."""
+    """A logfmt value: ``-`` for None, ``true``/``false``, floats to 6 digits, text quoted
+    when it must be."""
     if value is None:
         return "-"
     kind = type(value)
-    if kind is int or kind is bool:
+    if kind is bool:
+        return "true" if value else "false"
+    if kind is int:
         return str(value)
     if kind is float:
         return f"{value:.6g}"
