@@ -158,8 +158,10 @@ def router_config(endpoints: dict[str, tuple[str, str | None]], *, learned: bool
             rep["replay_endpoint"] = replay
         replicas.append(rep)
     data = {
-        # No /metrics scrape: the replicas' HTTP side is never contacted, only their events.
+        # No /metrics scrape and no health probe: the replicas' HTTP side is never contacted,
+        # only their events (a probe of the dead URL would mark them down: replica_down).
         "server": {"admin_token": TOKEN, "metrics_scrape_interval_s": 0, "log_level": "error"},
+        "health": {"probe_interval_s": 0},
         "pools": [{"model": MODEL, "layout": layout, "replicas": replicas}],
     }
     return msgspec.convert(data, RouterConfig)

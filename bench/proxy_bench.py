@@ -13,7 +13,10 @@ divided by the requests it served). Targets (issue #5): <= 0.5 ms router CPU per
 non-streaming at concurrency 16, <= 1 ms added p50 at concurrency 1.
 
     .venv/bin/python bench/proxy_bench.py [--quick] [--profile]
-        [--upstream-client own,httpx,aiohttp] [--repeat N]
+        [--upstream-client own,httpx,aiohttp] [--repeat N] [--router-log-level info]
+
+``--router-log-level`` (default ``error``): ``info`` costs the router one log line per request
+(router.server.outcome; its stderr goes to a temporary file).
 
 ``--profile`` runs the router under cProfile for the c=16 JSON cell and prints the top
 functions by cumulative time (written to bench/results/proxy_bench.prof).
@@ -42,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "proxy_bench.json"
@@ -216,12 +220,17 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
 
 
 def start_router(
-    client: str, backends: list[tuple[int, str, str]], profile: Path | None, env: dict
+    client: str,
+    backends: list[tuple[int, str, str]],
+    profile: Path | None,
+    env: dict,
+    log_level: str = "error",
 ) -> tuple[int, subprocess.Popen]:
     """``kvrouter serve`` in front of ``backends``, forwarding with upstream client ``client``."""
     rport = free_port()
     lines = [
-        "[server]", f"port = {rport}", "metrics_scrape_interval_s = 0", 'log_level = "error"',
+        "[server]", f"port = {rport}", "metrics_scrape_interval_s = 0",
+        f'log_level = "{log_level}"',
         "[[pools]]", 'model = "bench"',
         "[pools.layout]",
         'groups = [{kind = "full_attention", block_size = 16}, '
@@ -232,14 +241,17 @@ def start_router(
             "[[pools.replicas]]", f'name = "b{i}"', f'url = "http://127.0.0.1:{port}"',
             f'event_endpoint = "{ep}"', f'replay_endpoint = "{rep}"',
         ]  # fmt: skip
-    cfg = Path(tempfile.mkdtemp()) / "router.toml"
+    tmp = Path(tempfile.mkdtemp())
+    cfg = tmp / "router.toml"
     cfg.write_text("\n".join(lines) + "\n")
     cmd = [sys.executable]
     if profile is not None:
         cmd += ["-m", "cProfile", "-o", str(profile)]
     cmd += ["-m", "bench.upstream_clients", client, "serve", "--config", str(cfg)]
+    # below error a line per request: to a file (a pipe nobody reads would fill and block)
+    err: Any = subprocess.PIPE if log_level == "error" else (tmp / "stderr").open("w")
     router = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+        cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=ROOT, env=env
     )
     return rport, router
 
@@ -279,6 +291,9 @@ def main() -> int:
         "(bench/upstream_clients.py); several are A/B-ed in one run",
     )
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every cell (medians)")
+    ap.add_argument(
+        "--router-log-level", default="error", choices=["error", "warning", "info", "debug"]
+    )
     args = ap.parse_args()
     clients = args.upstream_client.split(",")
     from bench.upstream_clients import CLIENTS
@@ -300,7 +315,9 @@ def main() -> int:
             backends.append((port, ep, rep))
         routers: dict[str, tuple[int, subprocess.Popen]] = {}
         for client in clients:
-            routers[client] = start_router(client, backends, prof if args.profile else None, env)
+            routers[client] = start_router(
+                client, backends, prof if args.profile else None, env, args.router_log_level
+            )
             procs.append(routers[client][1])
         for rport, router in routers.values():
             wait_port(rport, router)

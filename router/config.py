@@ -115,6 +115,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     answer reports ``cached_tokens`` (the prediction check, and learning what a replica held
     before the router attached), and strip the usage event from the client's stream again."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+    """``text``: ``<time> <LEVEL> <logger>: <message> key=value ...``; ``json``: one object per
+    line with ``ts``, ``level``, ``logger``, ``message`` and the line's fields
+    (router.server.logs)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -114,7 +114,9 @@ def test_client_disconnect_while_waiting_for_a_json_answer(cluster: Cluster) -> 
     for f in fakes(cluster):
         f.stall = True
     counted = cluster.sample("kvrouter_client_disconnects_total", pool=MODEL, phase="waiting")
-    failovers = sum(cluster.sample("kvrouter_failovers_total", replica=n) for n in cluster.fakes)
+    failovers = sum(
+        cluster.sample("kvrouter_failovers_total", pool=MODEL, replica=n) for n in cluster.fakes
+    )
     before = [len(f.disconnects) for f in fakes(cluster)]
     requests = [f.requests for f in fakes(cluster)]
     with open_request(cluster, {"model": MODEL, "prompt": words(42, 64)}):
@@ -133,7 +135,9 @@ def test_client_disconnect_while_waiting_for_a_json_answer(cluster: Cluster) -> 
     )
     assert sum(f.requests for f in fakes(cluster)) == sum(requests) + 1  # no failover
     assert (
-        sum(cluster.sample("kvrouter_failovers_total", replica=n) for n in cluster.fakes)
+        sum(
+            cluster.sample("kvrouter_failovers_total", pool=MODEL, replica=n) for n in cluster.fakes
+        )
         == failovers
     )
 
@@ -155,7 +159,7 @@ def test_a_hung_replica_times_out_and_the_request_fails_over(
     hung = cluster.fake(owner)
     hung.stall = True
     closed = len(hung.disconnects)
-    failovers = cluster.sample("kvrouter_failovers_total", replica=owner)
+    failovers = cluster.sample("kvrouter_failovers_total", pool=MODEL, replica=owner)
     t0 = time.monotonic()
     r = cluster.http.post(
         "/v1/completions", json={"model": MODEL, "prompt": prompt, "stream": stream}
@@ -165,7 +169,7 @@ def test_a_hung_replica_times_out_and_the_request_fails_over(
     assert r.headers["x-kvrouter-replica"] != owner
     ttfb = TTFB_STREAM if stream else TTFB_JSON
     assert ttfb <= took < ttfb + 10  # it waited for the owner first, not read_timeout_s (30 s)
-    assert cluster.sample("kvrouter_failovers_total", replica=owner) == failovers + 1
+    assert cluster.sample("kvrouter_failovers_total", pool=MODEL, replica=owner) == failovers + 1
     # the router closed the hung request (no connection left waiting on the replica)
     wait_for(lambda: len(hung.disconnects) == closed + 1 and hung.held == 0, 5, "closed")
 

@@ -149,11 +149,11 @@ def test_a_killed_replica_leaves_rotation_within_the_window_and_comes_back(
     assert trust(cluster, dead) == "untrusted"
 
     # No request tries it: not one failed attempt there, every answer from another.
-    failovers = cluster.metric("kvrouter_failovers_total", replica=dead)
+    failovers = cluster.metric("kvrouter_failovers_total", pool=MODEL, replica=dead)
     for _ in range(10):
         r = complete(cluster.client, prefix + " " + words(rng, 20))
         assert r.headers["x-kvrouter-replica"] != dead
-    assert cluster.metric("kvrouter_failovers_total", replica=dead) == failovers
+    assert cluster.metric("kvrouter_failovers_total", pool=MODEL, replica=dead) == failovers
     assert cluster.health(dead)["consecutive_failures"] == 0
     assert cluster.client.get("/ready").status_code == 200  # a and b serve
 
@@ -215,14 +215,15 @@ def test_failed_attempts_eject_with_a_growing_back_off_and_a_trial_decides(
     for p in prefixes:
         warm(cluster, dead, p)
     cluster.replicas[dead].stop_http()
-    failovers = cluster.metric("kvrouter_failovers_total", replica=dead)
+    failovers = cluster.metric("kvrouter_failovers_total", pool=MODEL, replica=dead)
 
     # Each of these has its best hit on the dead replica: tried first, failed over.
     for i, p in enumerate(prefixes):
         assert cluster.explain(prompt=p + " w7")["chosen"]["replica"] == dead
         r = complete(cluster.client, p + " w7")
         assert r.headers["x-kvrouter-replica"] != dead
-        assert cluster.metric("kvrouter_failovers_total", replica=dead) == failovers + i + 1
+        now = cluster.metric("kvrouter_failovers_total", pool=MODEL, replica=dead)
+        assert now == failovers + i + 1
     health = cluster.health(dead)
     assert health["state"] == "ejected" and health["ejections"] == 1
     assert "ConnectError" in health["last_error"] and health["consecutive_failures"] == 2
@@ -238,7 +239,7 @@ def test_failed_attempts_eject_with_a_growing_back_off_and_a_trial_decides(
         if state(cluster, dead) != "ejected":
             break
         complete(cluster.client, words(rng, 30))
-    assert cluster.metric("kvrouter_failovers_total", replica=dead) == failovers + 2
+    assert cluster.metric("kvrouter_failovers_total", pool=MODEL, replica=dead) == failovers + 2
 
     # Half-open after 1 s; the only candidate left, its trial fails: ejected for 2 s.
     wait_for(lambda: state(cluster, dead) == "half_open", 5, "half-open")
@@ -253,9 +254,9 @@ def test_failed_attempts_eject_with_a_growing_back_off_and_a_trial_decides(
         # Nothing routable: the pool panics and tries it anyway (a 502, not a 503).
         ex = cluster.explain(prompt=words(rng, 30))
         assert ex["panic"] and ex["chosen"]["replica"] == dead
-        before = cluster.metric("kvrouter_failovers_total", replica=dead)
+        before = cluster.metric("kvrouter_failovers_total", pool=MODEL, replica=dead)
         complete(cluster.client, words(rng, 30), status=502)
-        assert cluster.metric("kvrouter_failovers_total", replica=dead) == before + 1
+        assert cluster.metric("kvrouter_failovers_total", pool=MODEL, replica=dead) == before + 1
         assert cluster.health(dead)["ejections"] == 2  # failures while ejected don't extend
 
         # It serves again: the first request after the back-off is the trial, and decides.

@@ -152,15 +152,10 @@ def test_ingest_errors_are_exported_per_replica_and_reason() -> None:
         {"pool": "p", "entries": 0, "bytes": 0, "replica_stats": index.stats(), "stream_stats": {}}
     ]
     text = RouterMetrics(lambda: snapshot).render().decode()
-    assert (
-        'kvrouter_ingest_errors_total{pool="p",reason="refused_group_idx",replica="A/dp0"} 1.0'
-        in text
-    )
-    assert (
-        'kvrouter_ingest_errors_total{pool="p",reason="refused_block_size",replica="A/dp0"} 1.0'
-        in text
-    )
-    assert 'replica="B/dp0"' not in text.split("kvrouter_ingest_errors_total")[-1]
+    head = 'kvrouter_ingest_errors_total{dp_rank="0",pool="p",'
+    assert head + 'reason="refused_group_idx",replica="A"} 1.0' in text
+    assert head + 'reason="refused_block_size",replica="A"} 1.0' in text
+    assert 'replica="B"' not in text.split("kvrouter_ingest_errors_total")[-1]
 
 
 LEARN3 = [("full_attention", 16), ("sliding_window", 16)]

@@ -72,7 +72,7 @@ def test_late_attach_is_partial_learns_from_answers_and_converges(cluster: SimCl
     for name in NAMES:
         assert rows[name]["trust"] == "partial", rows[name]
         assert "attached late" in rows[name]["partial_reason"]
-        assert cluster.metric("kvrouter_replica_trust", pool=MODEL, replica=f"{name}/dp0",
+        assert cluster.metric("kvrouter_replica_trust", dp_rank="0", pool=MODEL, replica=name,
                               state="partial") == 1.0  # fmt: skip
 
     # 150 sequential requests through the router over the same system prompts.
@@ -104,9 +104,10 @@ def test_late_attach_is_partial_learns_from_answers_and_converges(cluster: SimCl
     inferred = sum(
         cluster.metric(
             "kvrouter_index_block_ops_total",  # labels in the order Prometheus prints them
+            dp_rank="0",
             outcome="inferred_blocks",
             pool=MODEL,
-            replica=f"{n}/dp0",
+            replica=n,
         )
         for n in NAMES
     )
@@ -240,7 +241,11 @@ def test_a_stream_that_did_not_ask_for_usage_still_teaches_the_router(cluster: S
     nxt = " ".join([*systems[0], *words(rng, 20)])
     assert cluster.rows(prompt=nxt)["a"]["hit_tokens"] > 0
     inferred = cluster.metric(
-        "kvrouter_index_block_ops_total", outcome="inferred_blocks", pool=MODEL, replica="a/dp0"
+        "kvrouter_index_block_ops_total",
+        dp_rank="0",
+        outcome="inferred_blocks",
+        pool=MODEL,
+        replica="a",
     )
     assert inferred > 0
     r = cluster.client.post(

@@ -102,6 +102,10 @@ class Cluster:
                     return s.value
         return 0.0
 
+    def per_rank(self, name: str, replica: str, dp_rank: int = 0) -> float:
+        """A per-rank series of the pool (labels ``pool``, ``replica``, ``dp_rank``)."""
+        return self.sample(name, pool=MODEL, replica=replica, dp_rank=str(dp_rank))
+
     def reset_knobs(self) -> None:
         for fake, _ in self.fakes.values():
             fake.fail_status = None
@@ -293,9 +297,9 @@ def test_streaming_usage_feeds_the_prediction_check(cluster: Cluster) -> None:
 
     def counts(rep: str) -> tuple[float, ...]:
         return (
-            cluster.sample("kvrouter_prediction_checked_total", replica=rep),
-            cluster.sample("kvrouter_prediction_exact_total", replica=rep),
-            cluster.sample("kvrouter_prediction_abs_error_tokens_sum", replica=rep),
+            cluster.per_rank("kvrouter_prediction_checked_total", rep),
+            cluster.per_rank("kvrouter_prediction_exact_total", rep),
+            cluster.per_rank("kvrouter_prediction_abs_error_tokens_sum", rep),
             cluster.sample("kvrouter_predicted_hit_tokens_sum", pool=MODEL),
         )
 
@@ -331,7 +335,7 @@ def test_stream_usage_off_leaves_the_request_alone() -> None:
             rep = r.headers["x-kvrouter-replica"]
         assert "stream_options" not in c.fake(rep).last_body
         assert b'"usage"' not in raw
-        assert c.sample("kvrouter_prediction_checked_total", replica=rep) == 0
+        assert c.per_rank("kvrouter_prediction_checked_total", rep) == 0
     finally:
         c.close()
 
@@ -421,16 +425,16 @@ def test_models_health_metrics(cluster: Cluster) -> None:
 def test_prediction_mismatch_is_recorded(cluster: Cluster) -> None:
     for fake, _ in cluster.fakes.values():
         fake.lie_by = 16
-    checked = {n: cluster.sample("kvrouter_prediction_checked_total", replica=n) for n in "abc"}
-    exact = {n: cluster.sample("kvrouter_prediction_exact_total", replica=n) for n in "abc"}
+    checked = {n: cluster.per_rank("kvrouter_prediction_checked_total", n) for n in "abc"}
+    exact = {n: cluster.per_rank("kvrouter_prediction_exact_total", n) for n in "abc"}
     r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": words(8, 64)})
     assert r.status_code == 200
     # a new 65-token prompt: predicted 0, the replica reports 0 + 16
     rep = r.headers["x-kvrouter-replica"]
     assert r.headers["x-kvrouter-predicted-hit"] == "0"
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
-    assert cluster.sample("kvrouter_prediction_checked_total", replica=rep) == checked[rep] + 1
-    assert cluster.sample("kvrouter_prediction_exact_total", replica=rep) == exact[rep]
+    assert cluster.per_rank("kvrouter_prediction_checked_total", rep) == checked[rep] + 1
+    assert cluster.per_rank("kvrouter_prediction_exact_total", rep) == exact[rep]
     mm = cluster.http.get("/admin/mismatches", headers=cluster.admin).json()["mismatches"]
     assert mm and mm[-1]["error"] == 16 and mm[-1]["replica"] == rep
     assert (mm[-1]["predicted"], mm[-1]["cached_tokens"]) == (0, 16)

@@ -88,7 +88,8 @@ def test_routes_and_fails_over_on_a_dead_replica(served) -> None:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt + " w1"})
         assert r.status_code == 200
         assert r.headers["x-kvrouter-replica"] not in (owner, "")
-        assert f'kvrouter_failovers_total{{replica="{owner}"}} 1.0' in http.get("/metrics").text
+        line = f'kvrouter_failovers_total{{pool="{MODEL}",replica="{owner}"}} 1.0'
+        assert line in http.get("/metrics").text
 
 
 def test_tokenizer_parity_with_the_replicas_tokenize(served) -> None:

@@ -273,7 +273,7 @@ def test_failover_when_the_best_replica_is_dead(cluster: SimCluster) -> None:
     wait_hit(cluster, dead, ask, lambda x: x["hit_tokens"] == 10 * B, f"{dead} indexed")
     assert cluster.explain(**ask)["chosen"]["replica"] == dead
 
-    failovers = cluster.metric("kvrouter_failovers_total", replica=dead)
+    failovers = cluster.metric("kvrouter_failovers_total", pool=MODEL, replica=dead)
     assert cluster.health(dead)["consecutive_failures"] == 0
     cluster.replicas[dead].stop_http()
     try:
@@ -285,11 +285,13 @@ def test_failover_when_the_best_replica_is_dead(cluster: SimCluster) -> None:
         served = r.headers["x-kvrouter-replica"]
         assert served in NAMES and served != dead
         assert cached_tokens(r.json()) == int(r.headers["x-kvrouter-predicted-hit"])
-        assert cluster.metric("kvrouter_failovers_total", replica=dead) == failovers + 1
+        assert cluster.metric("kvrouter_failovers_total", pool=MODEL, replica=dead) == failovers + 1
         # one failure: below health.eject_after_failures, so still in rotation
         health = cluster.health(dead)
         assert (health["consecutive_failures"], health["state"]) == (1, "healthy")
-        status = cluster.metric("kvrouter_requests_total", pool=MODEL, replica=served, status="200")
+        status = cluster.metric(
+            "kvrouter_requests_total", pool=MODEL, replica=served, status="200", status_class="2xx"
+        )
         assert status >= 1
     finally:
         cluster.replicas[dead].start_http()

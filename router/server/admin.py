@@ -11,6 +11,7 @@ are OpenAI errors (:mod:`router.server.errors`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,9 +28,30 @@ from router.core.snapshot import encode_snapshot
 from router.server.admission import check_endpoints, check_models
 from router.server.doors import Refusal
 from router.server.errors import ApiError
+from router.server.logs import kv
 from router.server.state import PoolState, RouterState
 
 __all__ = ["admin_router"]
+
+log = logging.getLogger("kvrouter.admin")
+
+
+def _changed(what: str, request: Request, pool: PoolState, name: str, **more: Any) -> None:
+    """Log an admin change (INFO), with who asked: an operator reading the log after an
+    incident sees each replica added, removed, drained or undrained, and from where."""
+    client = request.client
+    log.info(
+        "replica %s %s",
+        name,
+        what,
+        extra=kv(
+            change=what,
+            pool=pool.name,
+            replica=name,
+            client=f"{client.host}:{client.port}" if client else None,
+            **more,
+        ),
+    )
 
 
 class ExplainRequest(BaseModel):
@@ -99,7 +121,7 @@ def admin_router(
         return {"replicas": out}
 
     @r.post("/replicas", status_code=201, summary="Add a replica to a pool")
-    async def add_replica(body: ReplicaIn) -> dict[str, Any]:
+    async def add_replica(body: ReplicaIn, request: Request) -> dict[str, Any]:
         pool = pool_of(body.pool, "pool")
         try:
             rcfg = msgspec.convert(body.replica, ReplicaConfig)
@@ -115,24 +137,28 @@ def admin_router(
             rep = await pool.add_replica(rcfg)
         except (ValueError, SubscriberError) as exc:  # EndpointError: cannot bind / connect
             raise ApiError(409, str(exc), "replica") from None
+        _changed("added", request, pool, rcfg.name, url=rcfg.url, dp_ranks=rep.ranks)
         return rep.as_dict()
 
     @r.delete("/replicas/{name}", summary="Remove a replica (its index state is dropped)")
-    async def remove_replica(name: str) -> dict[str, Any]:
+    async def remove_replica(name: str, request: Request) -> dict[str, Any]:
         pool, _ = find_replica(name)
         await pool.remove_replica(name)
+        _changed("removed", request, pool, name)
         return {"removed": name}
 
     @r.post("/replicas/{name}/drain", summary="Stop routing new requests to a replica")
-    async def drain(name: str) -> dict[str, Any]:
-        _, rep = find_replica(name)
+    async def drain(name: str, request: Request) -> dict[str, Any]:
+        pool, rep = find_replica(name)
         rep.drained = True
+        _changed("drained", request, pool, name)
         return rep.as_dict()
 
     @r.post("/replicas/{name}/undrain", summary="Route to a drained replica again")
-    async def undrain(name: str) -> dict[str, Any]:
-        _, rep = find_replica(name)
+    async def undrain(name: str, request: Request) -> dict[str, Any]:
+        pool, rep = find_replica(name)
         rep.drained = False
+        _changed("undrained", request, pool, name)
         return rep.as_dict()
 
     @r.post("/route/explain", summary="Where a request would go and why, without sending it")

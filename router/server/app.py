@@ -6,9 +6,10 @@ head alone); then ``POST /v1/completions`` and ``/v1/chat/completions`` go strai
 :class:`router.server.proxy.Proxy` (the hot path, raw ASGI, no framework on it) and every other
 request, its body read within ``server.admin_max_body_bytes``, goes to a FastAPI app
 (``/v1/models``, ``/health``, ``/ready``, ``/metrics``, ``/admin``, the schema). Every error
-is an OpenAI error (:mod:`router.server.errors`), a bug's included. This is the one module
-that knows every face; the state it hands them (:mod:`router.server.state`) knows none of
-them, so no face reaches around another.
+is an OpenAI error (:mod:`router.server.errors`), a bug's included, and every ``/v1/*``
+request is counted, timed and logged when it ends (:mod:`router.server.outcome`). This is the
+one module that knows every face; the state it hands them (:mod:`router.server.state`) knows
+none of them, so no face reaches around another.
 
 The lifespan starts the pools (their replicas' event subscribers run on the serving loop, so the
 index is read and written by one thread only), the ``/metrics`` scraper and the health prober
@@ -39,6 +40,7 @@ from router.server.errors import install_error_handlers, json_errors, send_error
 from router.server.health import probe_forever, readiness
 from router.server.metrics import CONTENT_TYPE
 from router.server.openapi_routes import document_proxied
+from router.server.outcome import observe
 from router.server.persist import load_snapshot, snapshot_forever, write_snapshot
 from router.server.proxy import Proxy
 from router.server.scrape import scrape_forever
@@ -156,7 +158,8 @@ def create_app(config: RouterConfig) -> Any:
             refusal = bounded
         await send_error(send, refusal.status, refusal.message, headers=refusal.headers)
 
-    app = json_errors(dispatch)
+    # outermost: every /v1/* request is counted and logged, whoever answers it
+    app = observe(json_errors(dispatch), state.metrics)
     app.state = api.state  # type: ignore[attr-defined]
     app.fastapi = api  # type: ignore[attr-defined]
     return app

@@ -22,6 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-level", choices=["debug", "info", "warning", "error"], help="log level"
     )
     parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="text lines or one JSON object per line (overrides server.log_format)",
+    )
+    parser.add_argument(
         "--check", action="store_true", help="validate the config and exit (0 ok, 2 bad)"
     )
 
@@ -35,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         "admin_token": args.admin_token,
         "api_key": args.api_key,
         "log_level": args.log_level,
+        "log_format": args.log_format,
     }
     try:
         config = load_config(args.config, flags=flags)
@@ -51,12 +57,11 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         print(f"{args.config}: ok ({len(config.pools)} pool(s))")
         return 0
-    import logging
-
     from router.server.app import create_app
     from router.server.http_server import make_server
+    from router.server.logs import configure
 
-    logging.basicConfig(level=config.server.log_level.upper())
+    configure(config.server.log_level, config.server.log_format)
     app = create_app(config)
     server = make_server(app, config.server, metrics=app.state.router.metrics)
     server.run()

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from router.core.health import Change
+from router.server.logs import kv
 from router.server.state import PoolState, ReplicaState, RouterState
 
 __all__ = [
@@ -47,13 +48,15 @@ def _act(pool: PoolState, rep: ReplicaState, change: Change | None) -> None:
     if change is None:
         return
     kind = change.kind
+    more = {"ejections": rep.health.ejections} if kind == "ejected" else {}
+    fields = kv(pool=pool.name, replica=rep.name, change=kind, reason=change.reason, **more)
     if kind in ("ejected", "down"):
-        log.warning("pool %r replica %s %s: %s", pool.name, rep.name, kind, change.reason)
+        log.warning("replica %s %s: out of rotation", rep.name, kind, extra=fields)
         pool.distrust_replica(rep, f"{kind}: {change.reason}")
     elif kind == "up":
-        log.info("pool %r replica %s is back (half-open): %s", pool.name, rep.name, change.reason)
+        log.info("replica %s is back (half-open)", rep.name, extra=fields)
     else:
-        log.info("pool %r replica %s healthy again: %s", pool.name, rep.name, change.reason)
+        log.info("replica %s healthy again", rep.name, extra=fields)
 
 
 # -- request outcomes (the proxy) ----------------------------------------------------------
@@ -96,6 +99,7 @@ async def probe_replica(pool: PoolState, rep: ReplicaState) -> None:
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if pool.replicas.get(rep.name) is not rep:
         return  # removed while the probe ran
+    log.debug("probe", extra=kv(pool=pool.name, replica=rep.name, error=error))
     _act(pool, rep, rep.health.probe(time.monotonic(), error is None, error))
 
 

@@ -146,6 +146,9 @@ def make_server(
         host=cfg.host,
         port=cfg.port,
         log_level=log_level or cfg.log_level,
+        # uvicorn's own loggers go through the root handler (router.server.logs: timestamps,
+        # the text or JSON format) instead of uvicorn's dictConfig
+        log_config=None,
         access_log=False,
         lifespan="on",
         http=protocol,

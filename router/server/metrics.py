@@ -1,9 +1,18 @@
 """The router's Prometheus metrics, in a registry of its own per app (tests run several apps).
 
-Hot-path metrics (requests, decision latency, predicted hit, prediction error, in flight) are
+Hot-path metrics (requests, latencies, predicted hit, prediction error, in flight) are
 updated as requests go; state that already lives elsewhere (index entries and bytes, event
-counters, stream lag, trust) is read at scrape time by a collector, so the proxy never keeps a
-second copy of it (ARCHITECTURE: one state, read by every face).
+counters, stream lag, trust, health) is read at scrape time by a collector, so the proxy never
+keeps a second copy of it (ARCHITECTURE: one state, read by every face).
+
+Labels, the same everywhere: ``pool`` is the pool's model name; ``replica`` the replica's
+configured name (never ``name/dpN``); ``dp_rank`` the data-parallel rank, on the series that
+are per rank (index, trust, events, prediction checks) and absent from those per HTTP server
+(requests, latencies, health, failovers, in flight). ``kvrouter_requests_total`` counts every
+request on ``/v1/*`` (router.server.outcome), with ``pool=""`` when it named no pool the
+router serves (refused before one was chosen) and ``replica=""`` when no replica answered it
+(the router answered: 4xx, 502, 503). No ``*_created`` series: :meth:`RouterMetrics.render`
+drops them from this registry whatever prometheus_client's process-wide setting.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
@@ -22,8 +31,13 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _ERROR_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _LATENCY_BUCKETS = (
-    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0,
+    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0,
 )  # fmt: skip
+"""The router's own work: tokenize, predict, choose (a remote tokenizer can take seconds)."""
+_TTFT_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+_TOTAL_BUCKETS = (*_TTFT_BUCKETS, 300.0, 600.0)
 
 
 class _StateCollector(Collector):
@@ -39,33 +53,33 @@ class _StateCollector(Collector):
         nbytes = GaugeMetricFamily(
             "kvrouter_index_bytes", "Memory account of the index tables", labels=["pool"]
         )
+        rank = ["pool", "replica", "dp_rank"]
         events = CounterMetricFamily(
-            "kvrouter_events", "KV events received, by stream and type", labels=["stream", "type"]
+            "kvrouter_events", "KV events received, by type", labels=[*rank, "type"]
         )
         outcomes = CounterMetricFamily(
-            "kvrouter_index_block_ops",
-            "Index block operations by replica and outcome",
-            labels=["pool", "replica", "outcome"],
-        )
+            "kvrouter_index_block_ops", "Index block operations by outcome",
+            labels=[*rank, "outcome"],
+        )  # fmt: skip
         lag = GaugeMetricFamily(
-            "kvrouter_stream_lag_seconds", "Receive time minus publish time", labels=["stream"]
-        )
+            "kvrouter_stream_lag_seconds", "Receive time minus publish time of the latest batch",
+            labels=rank,
+        )  # fmt: skip
         gaps = CounterMetricFamily(
-            "kvrouter_stream_signals", "Stream signals by kind", labels=["stream", "kind"]
+            "kvrouter_stream_signals", "Event stream signals by kind", labels=[*rank, "kind"]
         )
         trusted = GaugeMetricFamily(
-            "kvrouter_replica_trusted", "1 if the replica's cache state is trusted",
-            labels=["pool", "replica"],
-        )  # fmt: skip
+            "kvrouter_replica_trusted", "1 if the replica's cache state is trusted", labels=rank
+        )
         trust_state = GaugeMetricFamily(
             "kvrouter_replica_trust",
             "1 for the replica's trust state: exact, partial (a lower bound) or untrusted",
-            labels=["pool", "replica", "state"],
+            labels=[*rank, "state"],
         )
         ingest = CounterMetricFamily(
             "kvrouter_ingest_errors",
             "Refused events and ingest problems that made a replica untrusted, by reason",
-            labels=["pool", "replica", "reason"],
+            labels=[*rank, "reason"],
         )
         # Replica health (router.core.health), per replica *name*: probes and ejections are
         # per HTTP server, whatever its DP ranks.
@@ -87,12 +101,12 @@ class _StateCollector(Collector):
             entries.add_metric([name], pool["entries"])
             nbytes.add_metric([name], pool["bytes"])
             for rs in pool["replica_stats"]:
-                rep = f"{rs.replica}/dp{rs.dp_rank}"
-                trusted.add_metric([name, rep], 1.0 if rs.trusted else 0.0)
+                rep = [name, rs.replica, str(rs.dp_rank)]
+                trusted.add_metric(rep, 1.0 if rs.trusted else 0.0)
                 for st in ("exact", "partial", "untrusted"):
-                    trust_state.add_metric([name, rep, st], 1.0 if rs.trust == st else 0.0)
+                    trust_state.add_metric([*rep, st], 1.0 if rs.trust == st else 0.0)
                 for reason, n in rs.ingest_errors.items():
-                    ingest.add_metric([name, rep, reason], n)
+                    ingest.add_metric([*rep, reason], n)
                 for outcome in (
                     "stored_blocks",
                     "removed_blocks",
@@ -102,14 +116,19 @@ class _StateCollector(Collector):
                     "resets",
                     "late_attaches",
                 ):
-                    outcomes.add_metric([name, rep, outcome], getattr(rs, outcome))
+                    outcomes.add_metric([*rep, outcome], getattr(rs, outcome))
+            keys = pool.get("stream_keys", {})
             for stream, st in pool["stream_stats"].items():
+                key = keys.get(stream)
+                if key is None:  # every subscribed stream has one (PoolState._open_streams)
+                    continue
+                rep = [name, key[0], str(key[1])]
                 for typ, n in st.events_by_type.items():
-                    events.add_metric([stream, typ], n)
+                    events.add_metric([*rep, typ], n)
                 if st.lag_s is not None:
-                    lag.add_metric([stream], st.lag_s)
+                    lag.add_metric(rep, st.lag_s)
                 for kind in ("gaps", "replays", "unrecoverable_gaps", "resets", "malformed"):
-                    gaps.add_metric([stream, kind], getattr(st, kind))
+                    gaps.add_metric([*rep, kind], getattr(st, kind))
         yield from (entries, nbytes, events, outcomes, lag, gaps, trusted, trust_state, ingest)
         yield from (family for _, family in health)
 
@@ -122,14 +141,44 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "kvrouter_requests",
-            "Proxied requests by pool, replica and HTTP status",
-            ["pool", "replica", "status"],
+            'Requests on /v1/* by pool, the replica that answered ("": the router did) and '
+            "the HTTP status the client got",
+            ["pool", "replica", "status", "status_class"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "kvrouter_request_duration_seconds",
+            "Request arrival to its last response byte, as the client saw it",
+            ["pool"],
+            buckets=_TOTAL_BUCKETS,
+            registry=r,
+        )
+        self.router_added = Histogram(
+            "kvrouter_router_added_seconds",
+            "Latency the router adds: body received to the first attempt sent (parse, "
+            "tokenize, predict, choose)",
+            ["pool"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_ttft = Histogram(
+            "kvrouter_upstream_ttft_seconds",
+            "Streamed requests: the answering attempt sent to its first chunk (time to first "
+            "token, queueing and prefill included)",
+            ["pool"],
+            buckets=_TTFT_BUCKETS,
             registry=r,
         )
         self.failovers = Counter(
-            "kvrouter_failovers", "Attempts abandoned before the first byte", ["replica"],
-            registry=r,
+            "kvrouter_failovers", "Attempts abandoned before the first byte",
+            ["pool", "replica"], registry=r,
         )  # fmt: skip
+        self.midstream_failures = Counter(
+            "kvrouter_midstream_failures",
+            "Streamed responses cut short by the replica failing after the first byte",
+            ["pool", "replica"],
+            registry=r,
+        )
         self.untokenized = Counter(
             "kvrouter_untokenized_requests",
             "Requests routed by load because they could not be tokenized",
@@ -150,20 +199,20 @@ class RouterMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+        rank = ["pool", "replica", "dp_rank"]
         self.prediction_error = Histogram(
             "kvrouter_prediction_abs_error_tokens",
-            "|cached_tokens reported - predicted| per replica",
-            ["replica"],
+            "|cached_tokens reported - predicted| per replica and rank",
+            rank,
             buckets=_ERROR_BUCKETS,
             registry=r,
         )
         self.prediction_exact = Counter(
-            "kvrouter_prediction_exact", "Predictions equal to cached_tokens", ["replica"],
-            registry=r,
-        )  # fmt: skip
+            "kvrouter_prediction_exact", "Predictions equal to cached_tokens", rank, registry=r
+        )
         self.prediction_checked = Counter(
-            "kvrouter_prediction_checked", "Predictions compared with cached_tokens",
-            ["replica"], registry=r,
+            "kvrouter_prediction_checked", "Predictions compared with cached_tokens", rank,
+            registry=r,
         )  # fmt: skip
         self.refused = Counter(
             "kvrouter_refused_requests",
@@ -173,8 +222,9 @@ class RouterMetrics:
             registry=r,
         )
         self.in_flight = Gauge(
-            "kvrouter_in_flight", "Requests in flight per replica", ["replica"], registry=r
-        )
+            "kvrouter_in_flight", "Requests in flight per replica", ["pool", "replica"],
+            registry=r,
+        )  # fmt: skip
         self.client_disconnects = Counter(
             "kvrouter_client_disconnects",
             "Clients gone before their answer was complete (the replica's request is closed):"
@@ -191,6 +241,22 @@ class RouterMetrics:
         )
         if snapshot is not None:
             r.register(_StateCollector(snapshot))
+        self._exposed = _WithoutCreated(r)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text exposition, without ``*_created`` series."""
+        return generate_latest(self._exposed)  # type: ignore[arg-type]
+
+
+class _WithoutCreated:
+    """The registry's families without their ``<name>_created`` samples: a timestamp per
+    labelled child that doubles the series count and that no query of ours reads."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._registry.collect():
+            created = family.name + "_created"
+            family.samples = [s for s in family.samples if s.name != created]
+            yield family

@@ -54,6 +54,8 @@ import msgspec
 
 from router.server.errors import error_body
 from router.server.health import attempt_answered, attempt_failed, begin_attempt, end_attempt
+from router.server.logs import kv
+from router.server.outcome import outcome_of
 from router.server.state import ReplicaState, RouteChoice, RouterState
 from router.server.stream_usage import UsageStripper, request_usage
 from router.server.upstream import UpstreamError
@@ -231,6 +233,7 @@ class Proxy:
     async def _handle(
         self, kind: str, scope: dict[str, Any], receive: Any, send: Any, watch: _ClientWatch
     ) -> None:
+        out = outcome_of(scope)  # what it decided, for the request's metrics and log line
         limit = self.cfg.max_body_bytes
         request_id = None
         fwd: list[tuple[bytes, bytes]] = []
@@ -261,6 +264,7 @@ class Proxy:
                 chunks.append(b)
             if not msg.get("more_body"):
                 break
+        out.body_received()
         raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         body, problem = _decode_problem(raw)
         if problem is None and not isinstance(body, dict):
@@ -291,6 +295,7 @@ class Proxy:
                 send, 404, msg, request_id, param="model", reason="unknown_model"
             )
             return
+        out.pool = pool.name
         send = watch.start(receive, send, pool.name)
         t0 = time.perf_counter()
         tok = await pool.tokenizer.tokenize(kind, body)  # type: ignore[arg-type]
@@ -324,6 +329,7 @@ class Proxy:
             rep = pool.replicas.get(key[0])
             if rep is None:
                 continue
+            out.attempt(choice)
             trial = begin_attempt(rep)  # replica health (router.server.health)
             try:
                 await self._forward(
@@ -336,10 +342,15 @@ class Proxy:
                     pool.speculative.discard(choice.insertion)
                 attempt_failed(pool, rep, str(exc))
                 rep.last_error = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {rep.cfg.url}: {exc}"
-                self._m.failovers.labels(key[0]).inc()
+                self._m.failovers.labels(pool.name, key[0]).inc()
                 log.warning(
-                    "replica %s (%s) failed before the first byte: %s", key[0], rep.cfg.url, exc
-                )
+                    "replica %s failed before the first byte",
+                    key[0],
+                    extra=kv(
+                        request_id=request_id.decode("latin-1"), pool=pool.name,
+                        replica=key[0], dp_rank=key[1], url=rep.cfg.url, error=str(exc),
+                    ),
+                )  # fmt: skip
             finally:
                 end_attempt(rep, trial)
         if last_error is not None and last_error.response is not None:
@@ -389,7 +400,7 @@ class Proxy:
         pending = max(0, choice.num_tokens - choice.decision.chosen.hit_tokens)
         rep.in_flight[rank] = rep.in_flight.get(rank, 0) + 1
         rep.pending_prefill[rank] = rep.pending_prefill.get(rank, 0) + pending
-        gauge = self._m.in_flight.labels(key[0])
+        gauge = self._m.in_flight.labels(choice.pool.name, key[0])
         gauge.inc()
         first = True
         status = 0
@@ -457,7 +468,15 @@ class Proxy:
                     if first:
                         raise _Upstream(str(exc), timeout=exc.timeout) from None
                     rep.last_error = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} mid-stream: {exc}"
-                    log.warning("replica %s (%s) failed mid-stream: %s", label, rep.cfg.url, exc)
+                    self._m.midstream_failures.labels(choice.pool.name, key[0]).inc()
+                    log.warning(
+                        "replica %s failed mid-stream",
+                        key[0],
+                        extra=kv(
+                            request_id=request_id.decode("latin-1"), pool=choice.pool.name,
+                            replica=key[0], dp_rank=rank, url=rep.cfg.url, error=str(exc),
+                        ),
+                    )  # fmt: skip
                     err = error_body(502, f"replica {label} failed mid-stream")
                     await send(
                         {
@@ -466,7 +485,6 @@ class Proxy:
                             "more_body": False,
                         }
                     )
-                    status = 502
                     return
                 if first:  # an empty 200 stream: say so rather than hang up
                     raise _Upstream("empty stream")
@@ -487,8 +505,6 @@ class Proxy:
                 self._release_pending(rep, rank, pending)
             rep.in_flight[rank] -= 1
             gauge.dec()
-            if not first:
-                self._m.requests.labels(choice.pool.name, key[0], str(status)).inc()
 
     @staticmethod
     def _release_pending(rep: ReplicaState, rank: int, pending: int) -> None:
@@ -518,11 +534,12 @@ class Proxy:
         predicted = hit.hit_tokens
         err = abs(actual - predicted)
         metrics = self._m
-        metrics.prediction_checked.labels(label).inc()
-        metrics.prediction_error.labels(label).observe(err)
-        metrics.predicted_hit.labels(choice.pool.name).observe(predicted)
+        pool, rank = choice.pool.name, str(key[1])
+        metrics.prediction_checked.labels(pool, key[0], rank).inc()
+        metrics.prediction_error.labels(pool, key[0], rank).observe(err)
+        metrics.predicted_hit.labels(pool).observe(predicted)
         if err == 0:
-            metrics.prediction_exact.labels(label).inc()
+            metrics.prediction_exact.labels(pool, key[0], rank).inc()
             return
         if actual > predicted and hit.partial_reason is not None and choice.token_ids:
             # A partial replica under-predicts what it cached before the router attached;
@@ -562,6 +579,16 @@ class Proxy:
                 "explained_at_detection": explained,
             }
         )
+        log.info(
+            "prediction mismatch on replica %s",
+            key[0],
+            extra=kv(
+                request_id=request_id.decode("latin-1"), pool=pool, replica=key[0],
+                dp_rank=key[1], num_tokens=choice.num_tokens, predicted=predicted,
+                cached_tokens=actual, error=actual - predicted, trust=hit.trust,
+                limiting_group=row.get("limiting_group"),
+            ),
+        )  # fmt: skip
 
 
 def _clen(data: bytes) -> tuple[bytes, bytes]:

@@ -14,6 +14,7 @@ import time
 
 import httpx
 
+from router.server.logs import kv
 from router.server.state import PoolState, ReplicaState, RouterState
 from router.server.vllm_metrics import parse_start_time, parse_vllm_metrics, restarted
 
@@ -50,17 +51,37 @@ def others_load(
 async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> None:
     """One scrape of one replica; a failure is kept in ``rep.scrape_error``, never raised.
     A changed process start time is a restart: the pool re-reads the replica's streams from
-    the new process's start (:meth:`PoolState.replica_restarted`)."""
+    the new process's start (:meth:`PoolState.replica_restarted`).
+
+    Logged: the first failed scrape after a good one (or the first one) at WARNING, the first
+    good scrape after failures at INFO, every other scrape at DEBUG (one a second per replica
+    would bury the log; the latest error is in ``/admin/replicas``' ``scrape_error``)."""
     path = rep.cfg.metrics_path
     if path is None:
         return
     before = dict(rep.in_flight)
+    where = {"pool": pool.name, "replica": rep.name, "url": rep.cfg.url + path}
     try:
         r = await rep.client.get(path, timeout=timeout)
         r.raise_for_status()
     except httpx.HTTPError as exc:
-        rep.scrape_error = f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
+        if rep.scrape_error is None:
+            log.warning(
+                "metrics scrape of replica %s failed", rep.name, extra=kv(**where, error=error)
+            )
+        else:
+            log.debug(
+                "metrics scrape of replica %s failed again",
+                rep.name,
+                extra=kv(**where, error=error),
+            )
+        rep.scrape_error = error
         return
+    if rep.scrape_error is not None:
+        log.info("metrics scrape of replica %s works again", rep.name, extra=kv(**where))
+    else:
+        log.debug("metrics scrape of replica %s", rep.name, extra=kv(**where))
     parsed = parse_vllm_metrics(r.content)
     rep.running, rep.waiting = parsed["running"], parsed["waiting"]
     rep.kv_usage = parsed["kv_usage"]

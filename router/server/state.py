@@ -31,6 +31,7 @@ from router.core.snapshot import SNAPSHOT_VERSION, IndexSnapshot, PoolSnapshot
 from router.core.speculative import SpeculativeOverlay
 from router.core.tokenize import RequestTokenizer, make_tokenizer
 from router.server.ingest import IndexFeeder
+from router.server.logs import kv
 from router.server.metrics import RouterMetrics
 from router.server.upstream import UpstreamPool
 from router.server.vllm_metrics import parse_start_time, restarted
@@ -96,6 +97,7 @@ class ReplicaState:
             "others_running": self.others_running or None,
             "others_waiting": self.others_waiting or None,
             "kv_usage": self.kv_usage or None,
+            "scraped_at": self.scraped_at,
             "scrape_error": self.scrape_error,
             "health": self.health.as_dict(now, wall),
             "started_at": self.started_at,
@@ -283,7 +285,11 @@ class PoolState:
         rep = self.replicas.get(name)
         if rep is None:
             return
-        log.warning("replica %s restarted (%s): its index state is read anew", name, why)
+        log.warning(
+            "replica %s restarted: its index state is read anew",
+            name,
+            extra=kv(pool=self.name, replica=name, reason=why),
+        )
         rep.restarts += 1
         if rep.subscriber is not None:
             sub, rep.subscriber = rep.subscriber, None
@@ -487,6 +493,7 @@ class RouterState:
                 "bytes": p.index.nbytes(),
                 "replica_stats": p.index.stats(),
                 "stream_stats": p.stream_stats(),
+                "stream_keys": {s: k for r in p.replicas.values() for s, k in r.streams.items()},
                 "health": [
                     {
                         "replica": r.name,
