@@ -37,8 +37,23 @@ blocks (the router's index counters) and the router's prediction exactness
 came back) and RSS grew at most ``--max-rss-growth`` after warm-up; 1 otherwise; 2 for a bad
 option or a process that did not start; 130 on Ctrl-C.
 
+Router RSS and the hash memo: the router memoizes block-hash chain steps (256 tokens each,
+``events.hashing``, at most 8192 steps, about 27 MB here). Every request whose prompt
+completes a new step adds one; this workload adds one step per ~5 requests, so the router's
+RSS rises by ~27 MB over the first ~45,000 requests and is flat after (measured: 98.6 MB at
+44,500 requests, 98.9 MB at 80,000; with the memo disabled it stays within 1.5 % from
+2,000 to 20,000 requests). The default run (10,000 requests, warm-up 10 %) sees part of that
+fill (~+10 %); a flatness check past it needs a longer run with a later warm-up end.
+
+Prediction exactness: a prediction is made when the request is routed; the replica reports
+what it had cached when it admitted the request. With small KV pools a request may wait for
+blocks while its prefix is evicted (over-prediction), and concurrent requests with a new
+prefix find each other's blocks before the router has their events (under-prediction).
+``predictions_seen_by_client`` splits the two; with ``--num-blocks 1024`` both nearly vanish.
+
     .venv/bin/python bench/soak.py                      # 10,000 requests, concurrency 16
     .venv/bin/python bench/soak.py --requests 600 --concurrency 8   # the CI variant's size
+    .venv/bin/python bench/soak.py --requests 80000 --warmup 0.6    # RSS past the memo fill
 """
 
 from __future__ import annotations
@@ -211,6 +226,10 @@ class Result:
     replica: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    """From the answer's usage (JSON answers, and SSE answers that asked for it)."""
+    has_usage: bool = False
+    predicted: int | None = None
+    """The router's predicted hit for the replica it chose (``x-kvrouter-predicted-hit``)."""
 
 
 def _error_body(raw: bytes) -> str | None:
@@ -227,6 +246,7 @@ def _error_body(raw: bytes) -> str | None:
 
 def _usage(res: Result, usage: Any) -> None:
     if isinstance(usage, dict):
+        res.has_usage = True
         res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         details = usage.get("prompt_tokens_details") or {}
         res.cached_tokens = int(details.get("cached_tokens") or 0)
@@ -302,6 +322,8 @@ async def send(
             async with client.stream("POST", url + path, json=body) as resp:
                 res.status = resp.status_code
                 res.replica = resp.headers.get("x-kvrouter-replica", "")
+                pred = resp.headers.get("x-kvrouter-predicted-hit", "")
+                res.predicted = int(pred) if pred.isdigit() else None
                 if resp.status_code != 200:
                     err = _error_body(await resp.aread())
                     if err is None:
@@ -615,6 +637,9 @@ class Soak:
         limits = httpx.Limits(
             max_connections=2 * self.args.concurrency,
             max_keepalive_connections=self.args.concurrency,
+            # below the router's (uvicorn's) 5 s: an idle connection is dropped here first,
+            # never reused at the instant the server closes it (a reset no router can avoid)
+            keepalive_expiry=2.0,
         )
         timeout = httpx.Timeout(self.args.request_timeout)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -701,6 +726,18 @@ def summarize(soak: Soak, metrics: dict[str, float], wall_s: float) -> dict[str,
         "latency_p99_s": percentile(lat, 99),
         "prompt_tokens": prompt,
         "cached_share": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "predictions_seen_by_client": _predictions(ok),
+        "misprediction_samples": [
+            {
+                "t": round(r.started - soak.t0, 3),
+                "replica": r.replica,
+                "predicted": r.predicted,
+                "cached_tokens": r.cached_tokens,
+                "prompt_tokens": r.prompt_tokens,
+            }
+            for r in ok
+            if r.has_usage and r.predicted is not None and r.predicted != r.cached_tokens
+        ][:200],
         "router": metrics,
         "kill": {
             **asdict(c),
@@ -737,6 +774,20 @@ def summarize(soak: Soak, metrics: dict[str, float], wall_s: float) -> dict[str,
     return doc
 
 
+def _predictions(ok: list[Result]) -> dict[str, int]:
+    """The router's predicted hit against the replica's ``cached_tokens``, per answer that
+    reported usage: ``under`` (the replica had more: stores still in flight when routing,
+    e.g. a concurrent request with the same new prefix), ``over`` (it had less: blocks
+    evicted between routing and scheduling, or a restarted replica not yet distrusted)."""
+    seen = [r for r in ok if r.has_usage and r.predicted is not None]
+    return {
+        "checked": len(seen),
+        "exact": sum(1 for r in seen if r.predicted == r.cached_tokens),
+        "under": sum(1 for r in seen if (r.predicted or 0) < r.cached_tokens),
+        "over": sum(1 for r in seen if (r.predicted or 0) > r.cached_tokens),
+    }
+
+
 def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
@@ -762,6 +813,8 @@ def report(doc: dict[str, Any]) -> str:
             f"prediction exact {m['prediction_exact']:.0f}/{m['prediction_checked']:.0f} "
             f"({100 * m['prediction_exact_ratio']:.2f} %), evicted blocks seen "
             f"{m['removed_blocks']:.0f} (stored {m['stored_blocks']:.0f})",
+            "client-side predicted vs cached_tokens: "
+            + ", ".join(f"{k2} {v}" for k2, v in doc["predictions_seen_by_client"].items()),
             f"kill: {k['victim']} killed at {f(k['killed_at'], '.1f')} s with "
             f"{k['in_flight_at_kill']} in flight ({k['sse_streaming_from_victim_at_kill']} SSE "
             f"mid-stream); out of rotation after "

@@ -54,6 +54,8 @@ def test_short_soak_loses_nothing_through_a_kill_and_restart(tmp_path: Path) -> 
     # evictions happened (a small pool), the cache still mattered, predictions were checked
     assert doc["router"]["removed_blocks"] > 1000 and doc["cached_share"] > 0.3
     assert doc["router"]["prediction_checked"] > 500
+    seen = doc["predictions_seen_by_client"]  # the x-kvrouter-predicted-hit header, per answer
+    assert seen["checked"] > 300 and seen["exact"] + seen["under"] + seen["over"] == seen["checked"]
     # RSS sampled every second, from before warm-up end to the end
     rss = doc["rss_mb"]
     assert rss["warmup_end"] > 10 and rss["end"] > 10 and len(doc["samples"]) >= 3
