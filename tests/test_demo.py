@@ -2,47 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.child_procs import alive, kill_groups, recorded_pids
+from tests.zmq_helpers import wait_for
 
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[1]
 KVROUTER = [sys.executable, "-m", "router.cli"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purpose only once reaped; the demo waits for its children.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
-def _pids(out: Path) -> list[int]:
-    return [int(line.split()[0]) for line in (out / "pids.txt").read_text().splitlines()]
-
-
-def _wait_for(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def test_tiny_demo_compares_policies_and_leaves_no_process(tmp_path: Path) -> None:
@@ -76,9 +51,7 @@ def test_tiny_demo_compares_policies_and_leaves_no_process(tmp_path: Path) -> No
         )
     except subprocess.TimeoutExpired:
         # The demo was killed: do not leave its children running for the next tests.
-        for pid in _pids(out) if (out / "pids.txt").exists() else []:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+        kill_groups(out)
         raise
     assert proc.returncode == 0, proc.stderr
     assert "done   20/20" in proc.stdout  # live progress lines
@@ -103,9 +76,9 @@ def test_tiny_demo_compares_policies_and_leaves_no_process(tmp_path: Path) -> No
         assert r["prediction_exact_ratio"] == 1.0, f"{label}: {r}"
     assert (out / "demo_policies.png").stat().st_size > 1000
     assert (out / "run-hybrid" / "router.toml").read_text().count("[[pools.replicas]]") == 2
-    pids = _pids(out)
+    pids = recorded_pids(out)
     assert len(pids) == 2 * 3  # two replicas and a router per policy
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
@@ -132,7 +105,7 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     )
     try:
         # Interrupt once the replicas and the router are running (the router is third).
-        assert _wait_for(lambda: (out / "pids.txt").exists() and len(_pids(out)) >= 3, 60)
+        wait_for(lambda: len(recorded_pids(out)) >= 3, 60, "the replicas and the router")
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=30)
         code = proc.returncode
@@ -140,8 +113,6 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-            for pid in _pids(out):  # never leave a demo's children behind for the next tests
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
+            kill_groups(out)  # never leave a demo's children behind for the next tests
     assert code == 130, (stdout[-2000:], stderr[-2000:])
-    assert not [p for p in _pids(out) if _alive(p)]
+    assert not [p for p in recorded_pids(out) if alive(p)]
