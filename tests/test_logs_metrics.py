@@ -473,3 +473,17 @@ def test_serve_logs_json_lines_and_keeps_scrapes_and_probes_out_of_info(tmp_path
     assert scrape[0]["error"] and scrape[0]["url"].endswith("/metrics")
     down = [x for x in lines if x["logger"] == "kvrouter.health" and x.get("replica") == "c"]
     assert [(x["level"], x["change"]) for x in down] == [("WARNING", "down")], down
+
+
+def test_the_hash_memo_is_exported_so_its_growth_is_not_taken_for_a_leak(cluster: Cluster) -> None:
+    """The router's RSS grows after warm-up until the block-hash memo is full (bench/soak.py);
+    the memo's size and bound are exported, and a new long prefix adds steps to it."""
+    from events.hashing import DEFAULT_MEMO_ENTRIES, MEMO_SPAN
+
+    before = cluster.sample("kvrouter_hash_memo_steps", pool=MODEL)
+    capacity = cluster.sample("kvrouter_hash_memo_capacity_steps", pool=MODEL)
+    assert capacity == DEFAULT_MEMO_ENTRIES // MEMO_SPAN
+    # 600 words: two whole memo steps of 16 hash units of 16 tokens each
+    assert complete(cluster.http, words(21, 600)).status_code == 200
+    after = cluster.sample("kvrouter_hash_memo_steps", pool=MODEL)
+    assert before < after <= capacity

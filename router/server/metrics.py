@@ -53,6 +53,17 @@ class _StateCollector(Collector):
         nbytes = GaugeMetricFamily(
             "kvrouter_index_bytes", "Memory account of the index tables", labels=["pool"]
         )
+        memo_steps = GaugeMetricFamily(
+            "kvrouter_hash_memo_steps",
+            "Chain steps held by the pool's block-hash memo: it grows until its bound"
+            " (kvrouter_hash_memo_capacity_steps), which is the router's RSS growth after warm-up",
+            labels=["pool"],
+        )
+        memo_capacity = GaugeMetricFamily(
+            "kvrouter_hash_memo_capacity_steps",
+            "Bound on the chain steps the block-hash memo holds",
+            labels=["pool"],
+        )
         rank = ["pool", "replica", "dp_rank"]
         events = CounterMetricFamily(
             "kvrouter_events", "KV events received, by type", labels=[*rank, "type"]
@@ -100,6 +111,10 @@ class _StateCollector(Collector):
                     family.add_metric([name, h["replica"]], float(h[key]))
             entries.add_metric([name], pool["entries"])
             nbytes.add_metric([name], pool["bytes"])
+            memo = pool.get("hash_memo")
+            if memo is not None:
+                memo_steps.add_metric([name], memo["steps"])
+                memo_capacity.add_metric([name], memo["capacity"])
             for rs in pool["replica_stats"]:
                 rep = [name, rs.replica, str(rs.dp_rank)]
                 trusted.add_metric(rep, 1.0 if rs.trusted else 0.0)
@@ -129,7 +144,8 @@ class _StateCollector(Collector):
                     lag.add_metric(rep, st.lag_s)
                 for kind in ("gaps", "replays", "unrecoverable_gaps", "resets", "malformed"):
                     gaps.add_metric([*rep, kind], getattr(st, kind))
-        yield from (entries, nbytes, events, outcomes, lag, gaps, trusted, trust_state, ingest)
+        yield from (entries, nbytes, memo_steps, memo_capacity, events, outcomes, lag, gaps)
+        yield from (trusted, trust_state, ingest)
         yield from (family for _, family in health)
 
 

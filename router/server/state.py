@@ -491,6 +491,7 @@ class RouterState:
                 "pool": p.name,
                 "entries": p.index.entries,
                 "bytes": p.index.nbytes(),
+                "hash_memo": (h.memo_stats if (h := p.index.hasher()) is not None else None),
                 "replica_stats": p.index.stats(),
                 "stream_stats": p.stream_stats(),
                 "stream_keys": {s: k for r in p.replicas.values() for s, k in r.streams.items()},
