@@ -190,9 +190,9 @@ class _Replica:
     """This replica's own view of the groups (learned mode): kind, window, largest block."""
     ingest_errors: dict[str, int] = field(default_factory=dict)
     warned: dict[str, float] = field(default_factory=dict)
+    """Last warning time per reason label (the rate limit of IndexLimits.warn_interval_s)."""
     tiers_made: int = 0
     """Tiers this replica's events created (IndexLimits.max_extra_tiers bounds it)."""
-    """Last warning time per reason label (the rate limit of IndexLimits.warn_interval_s)."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             (
@@ -411,13 +411,8 @@ class KVIndex:
                     continue
                 table, extra = tier.group(g)
                 for h, copies in keys:
-                    m = table.get(h, 0)
-                    if m & rep.bit:
+                    if not self._hold(rep, table, h):
                         continue
-                    if not m:
-                        self.entries += 1
-                    table[h] = m | rep.bit
-                    rep.blocks += 1
                     if copies > 1:
                         extra[(rep.slot, h)] = copies
                         self.extra_entries += copies - 1
@@ -516,8 +511,6 @@ class KVIndex:
                 f"{where()}: chunked_local_attention needs attention_chunk_size, which events "
                 f"do not carry: declare the pool's groups in the config"
             )
-        if ev.block_size <= 0:
-            return None  # a placeholder (connector) event says nothing about the group
         have = self._learned.get(g)
         if have is not None and (have.kind != kind or have.sliding_window != window):
             if have.kind != kind:
@@ -741,13 +734,9 @@ class KVIndex:
                     counters["removed_blocks"] += len(ev.block_hashes)
                 elif cls is AllBlocksCleared:
                     self.entries, rep.blocks = entries, held
-                    self._wipe(rep)
+                    self._known_empty(rep)
                     entries, held = self.entries, 0
                     counters["clears"] += 1
-                    rep.partial_reason = None  # an empty cache is fully known
-                    if not rep.trusted and rep.recoverable:
-                        # A reset is a known state: the stream is usable again (§5.4).
-                        rep.trusted, rep.untrusted_reason, rep.down = True, None, False
                 elif cls is UnknownEvent:
                     counters["unknown_events"] += 1
                     self._distrust(
@@ -886,14 +875,35 @@ class KVIndex:
         """The replica restarted (its sequence went backwards, §3): vLLM comes back with an
         empty cache and sends no event for it, so its state is wiped and known again."""
         rep = self._replica(key)
-        self._wipe(rep)
+        self._known_empty(rep)
         rep.counters["resets"] += 1
         rep.group_aware = None
         rep.learned = {}  # it may come back with other flags: its view is learned anew
-        rep.partial_reason = None  # it restarted empty: nothing unknown
+
+    def _known_empty(self, rep: _Replica) -> None:
+        """An empty cache (a clear, or a restart) is a fully known state (§5.4): the replica's
+        keys go, nothing is unknown any more, and it is trusted again unless its settings
+        are what distrusted it."""
+        self._wipe(rep)
+        rep.partial_reason = None
         if rep.recoverable:
-            rep.trusted, rep.untrusted_reason, rep.down = True, None, False
-        self.generation += 1
+            self._trust_again(rep)
+
+    @staticmethod
+    def _trust_again(rep: _Replica) -> None:
+        rep.trusted, rep.untrusted_reason, rep.down = True, None, False
+
+    def _hold(self, rep: _Replica, table: dict, h: object) -> bool:
+        """Set ``rep``'s bit on key ``h`` (one copy); False if it held the key already. The
+        event ingest inlines the same steps on its hot path."""
+        m = table.get(h, 0)
+        if m & rep.bit:
+            return False
+        if not m:
+            self.entries += 1
+        table[h] = m | rep.bit
+        rep.blocks += 1
+        return True
 
     def attached_late(self, key: ReplicaKey, detail: str) -> None:
         """The stream's first batches are gone from the replica's replay ring (the router
@@ -921,20 +931,10 @@ class KVIndex:
         Returns how many were new."""
         rep = self._replica(key)
         tier = self._tiers["GPU"]
-        bit = rep.bit
         added = 0
         for g, h in keys:
-            if not 0 <= g < self.limits.max_groups:
-                continue
-            table, _ = tier.group(g)
-            m = table.get(h, 0)
-            if m & bit:
-                continue
-            if not m:
-                self.entries += 1
-            table[h] = m | bit
-            rep.blocks += 1
-            added += 1
+            if 0 <= g < self.limits.max_groups:
+                added += self._hold(rep, tier.group(g)[0], h)
         rep.counters["inferred_blocks"] += added
         if added:
             self.generation += 1
@@ -982,8 +982,7 @@ class KVIndex:
 
     def _back_up(self, rep: _Replica) -> None:
         """A batch continues the stream of a replica seen down (see :meth:`seen_down`)."""
-        rep.down = False
-        rep.trusted, rep.untrusted_reason = True, None
+        self._trust_again(rep)
         rep.partial_reason = (
             "it was seen down and its cache state was dropped; its stream went on without a "
             "restart, so blocks cached before are unknown until vLLM's answers show them or "

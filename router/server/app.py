@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from router.config import RouterConfig, is_loopback
 from router.server.admin import admin_router
-from router.server.doors import Doors, Refusal
+from router.server.doors import PROXIED, Doors, Refusal
 from router.server.errors import install_error_handlers, json_errors, send_error
 from router.server.health import probe_forever, readiness
 from router.server.metrics import CONTENT_TYPE
@@ -137,7 +137,6 @@ def create_app(config: RouterConfig) -> Any:
         api.include_router(admin_router(state, doors.admin))
 
     proxy = Proxy(state)
-    routes = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
     async def dispatch(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -147,7 +146,7 @@ def create_app(config: RouterConfig) -> Any:
         if refusal is None:
             if scope["method"] == "POST":
                 # the decoded path, as the doors and FastAPI's routing read it
-                kind = routes.get(scope["path"])
+                kind = PROXIED.get(scope["path"])
                 if kind is not None:
                     await proxy.handle(kind, scope, receive, send)
                     return

@@ -23,15 +23,19 @@ Each refusal is counted in ``kvrouter_refused_requests_total{reason}``.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from router.config import ServerConfig, is_loopback
 
 __all__ = ["PROXIED", "Doors", "Refusal"]
 
-PROXIED = frozenset({"/v1/completions", "/v1/chat/completions"})
+PROXIED: Mapping[str, str] = MappingProxyType(
+    {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+)
+"""The paths the proxy serves, with the request kind each is (the dispatcher's table too)."""
 """The paths the raw-ASGI proxy serves (POST); every other path is the FastAPI app's."""
 
 _MUTATIONS = frozenset({"POST", "PUT", "PATCH", "DELETE"})

@@ -52,7 +52,8 @@ from typing import Any
 
 import msgspec
 
-from router.server.errors import error_body
+from router.core.predict import ReplicaHit
+from router.server.errors import error_body, send_error
 from router.server.health import attempt_answered, attempt_failed, begin_attempt, end_attempt
 from router.server.logs import kv
 from router.server.outcome import outcome_of
@@ -187,9 +188,7 @@ class Proxy:
     def __init__(self, state: RouterState) -> None:
         self.state = state
         self.cfg = state.config.server
-        m = state.metrics
-        self._decision = {}
-        self._m = m
+        self._m = state.metrics
         self._ttfb = {True: self.cfg.ttfb_timeout_s, False: self.cfg.ttfb_timeout_nonstream_s}
 
     async def _send_simple(
@@ -205,14 +204,9 @@ class Proxy:
         """An OpenAI error; ``reason``: count it as a refusal with this label."""
         if reason is not None:
             self._m.refused.labels(reason).inc()
-        body = error_body(status, message, param)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", request_id),
-        ]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(
+            send, status, message, param=param, headers=((b"x-request-id", request_id),)
+        )
 
     async def handle(self, kind: str, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Serve one request; a client that goes away cancels it (module docstring)."""
@@ -390,10 +384,11 @@ class Proxy:
         if rep.cfg.dp_rank_header:
             headers.append((rep.cfg.dp_rank_header.encode(), str(rank).encode()))
         # the events-only prediction (the speculative hit only steers routing)
-        predicted = 0
+        hit: ReplicaHit | None = None
         if choice.prediction is not None:
             with contextlib.suppress(KeyError):
-                predicted = choice.prediction.hit(key).hit_tokens
+                hit = choice.prediction.hit(key)
+        predicted = hit.hit_tokens if hit is not None else 0
         label = key[0] if len(rep.ranks) == 1 else f"{key[0]}/dp{rank}"
         # the prefill it still owes uses the hit the policy ranked with: a request stacked on
         # an in-flight one with the same prefix (speculative hit) adds only its remainder
@@ -440,7 +435,7 @@ class Proxy:
                     await send({"type": "http.response.body", "body": data})
                     first = False
                     if status == 200:
-                        self._check(choice, key, label, data, request_id)
+                        self._check(choice, hit, key, label, data, request_id)
                     return
                 tail = b""
                 stripper = UsageStripper() if strip_usage else None
@@ -492,7 +487,7 @@ class Proxy:
                 await send({"type": "http.response.body", "body": rest, "more_body": False})
                 if stripper is not None and stripper.usage is not None:
                     tail = stripper.usage
-                self._check(choice, key, label, tail, request_id)
+                self._check(choice, hit, key, label, tail, request_id)
             finally:
                 await resp.aclose()  # closes the connection unless the answer was read whole
         except asyncio.CancelledError:
@@ -501,8 +496,7 @@ class Proxy:
                 choice.pool.speculative.discard(choice.insertion)
             raise
         finally:
-            if pending:
-                self._release_pending(rep, rank, pending)
+            self._release_pending(rep, rank, pending)
             rep.in_flight[rank] -= 1
             gauge.dec()
 
@@ -514,23 +508,21 @@ class Proxy:
     def _check(
         self,
         choice: RouteChoice,
+        hit: ReplicaHit | None,
         key: tuple[str, int],
         label: str,
         data: bytes,
         request_id: bytes,
     ) -> None:
-        """Compare the reported hit with the prediction (prediction error loop)."""
+        """Compare the reported hit with the prediction (prediction error loop); ``hit`` is
+        the chosen replica's row of ``choice.prediction``."""
         pred = choice.prediction
-        if pred is None:
+        if pred is None or hit is None:
             return
         found = _CACHED.findall(data)
         if not found:
             return
         actual = int(found[-1])
-        try:
-            hit = pred.hit(key)
-        except KeyError:
-            return
         predicted = hit.hit_tokens
         err = abs(actual - predicted)
         metrics = self._m

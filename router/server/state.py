@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import socket
 import time
@@ -423,7 +424,9 @@ class PoolState:
             )
             if overlay is not None and not explain:
                 chosen = decision.chosen.key
-                hit = next((h.result for h in basis.replicas if h.replica == chosen), None)
+                hit = None
+                with contextlib.suppress(KeyError):
+                    hit = basis.hit(chosen).result
                 try:
                     insertion = overlay.record(chosen, token_ids, keys, hit)
                 except Exception:
