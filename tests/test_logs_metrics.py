@@ -485,5 +485,11 @@ def test_the_hash_memo_is_exported_so_its_growth_is_not_taken_for_a_leak(cluster
     assert capacity == DEFAULT_MEMO_ENTRIES // MEMO_SPAN
     # 600 words: two whole memo steps of 16 hash units of 16 tokens each
     assert complete(cluster.http, words(21, 600)).status_code == 200
-    after = cluster.sample("kvrouter_hash_memo_steps", pool=MODEL)
+    # the steps come as the replica's events are checked (the router rehashes a stored
+    # root's tokens, off the request path), so they are polled for
+    after = wait_for(
+        lambda: (n := cluster.sample("kvrouter_hash_memo_steps", pool=MODEL)) > before and n,
+        10,
+        "the memo to grow",
+    )
     assert before < after <= capacity
