@@ -304,11 +304,20 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     entries share a request's first block it costs a second prediction and an insert per
     request (bench/proxy_bench.py: router CPU ~0.4 -> ~1.0 ms per 2,000-token request)."""
     speculative_ttl_s: float = 2.0
-    """How long a speculative entry lives without the events that confirm it."""
+    """How long a request's speculative entries outlive its answer without the events that
+    confirm them (the events of a finished request are already published; this covers
+    their way to the router)."""
+    speculative_hold_s: float = 300.0
+    """Bound on how long an in-flight request's entries stand before its answer ends (a
+    request may wait in vLLM's queue far longer than ``speculative_ttl_s`` before any
+    event about it exists)."""
 
     def __post_init__(self) -> None:
-        if self.speculative_ttl_s <= 0:
-            raise ValueError("speculative_ttl_s must be > 0 (set speculative_insert = false)")
+        if self.speculative_ttl_s <= 0 or self.speculative_hold_s <= 0:
+            raise ValueError(
+                "speculative_ttl_s and speculative_hold_s must be > 0 "
+                "(set speculative_insert = false to turn speculation off)"
+            )
         for f in ("per_request_tokens", "waiting_request_tokens", "lookahead_weight"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0")

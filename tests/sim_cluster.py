@@ -69,9 +69,20 @@ class SimReplica:
     """One simulated hybrid vLLM replica (module docstring)."""
 
     def __init__(
-        self, name: str, num_blocks: int, max_model_len: int = 2048, buffer_steps: int = 10_000
+        self,
+        name: str,
+        num_blocks: int,
+        max_model_len: int = 2048,
+        buffer_steps: int = 10_000,
+        *,
+        max_num_seqs: int = 256,
+        time_scale: float = 0.01,
     ) -> None:
+        """``max_num_seqs`` and ``time_scale`` are the engine's (a small batch and real-time
+        steps make requests queue, as on a loaded replica)."""
         self.name = name
+        self.max_num_seqs = max_num_seqs
+        self.time_scale = time_scale
         self.num_blocks = num_blocks
         self.buffer_steps = buffer_steps
         self.pool = HybridBlockPool(LAYOUT, num_blocks)
@@ -106,7 +117,12 @@ class SimReplica:
         its sequence numbers) carry over, as a restarted API front end over a live cache."""
         if self.http is not None:
             raise RuntimeError(f"replica {self.name} is already serving")
-        engine = Engine(self.pool, self.publisher, cost=CostModel(time_scale=0.01))
+        engine = Engine(
+            self.pool,
+            self.publisher,
+            cost=CostModel(time_scale=self.time_scale),
+            max_num_seqs=self.max_num_seqs,
+        )
         # No on_shutdown: the publisher must outlive an HTTP stop; close() closes it.
         app = create_app(engine, self.info)
         received = self.received
@@ -216,10 +232,12 @@ class SimCluster:
         buffer_steps: int = 10_000,
         router: bool = True,
         extra_toml: str = "",
+        **engine: Any,
     ) -> None:
         """``router=False`` starts the replicas only; :meth:`start_router` attaches it later
         (after the replicas have published more than their ``buffer_steps`` ring holds).
-        ``extra_toml`` is appended to the router's config (e.g. a ``[health]`` table)."""
+        ``extra_toml`` is appended to the router's config (e.g. a ``[health]`` table);
+        ``engine`` goes to every :class:`SimReplica` (``max_num_seqs``, ``time_scale``)."""
         self.replicas: dict[str, SimReplica] = {}
         self.router: ServerThread | None = None
         self.http: httpx.Client | None = None
@@ -227,7 +245,9 @@ class SimCluster:
         self.extra_toml = extra_toml
         try:
             for name in names:
-                self.replicas[name] = SimReplica(name, num_blocks, buffer_steps=buffer_steps)
+                self.replicas[name] = SimReplica(
+                    name, num_blocks, buffer_steps=buffer_steps, **engine
+                )
             self.config: RouterConfig = parse_config(router_toml(self.replicas) + extra_toml)
             if router:
                 self.start_router()

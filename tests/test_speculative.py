@@ -79,6 +79,7 @@ def test_record_predict_confirm_and_expire() -> None:
     assert ov.predict(PROMPT, None) is None  # empty overlay: no second prediction
     ins = ov.record(("a", 0), PROMPT, None, None)
     assert ins is not None and len(ov) == 62 + 8
+    ov.finish(ins)  # its answer ended: the grace of ttl_s starts
     spec = ov.predict(PROMPT, None)
     assert spec is not None
     # a later request with the same prompt would hit on "a" (992, the checkpoint) and not "b"
@@ -104,7 +105,7 @@ def test_record_predict_confirm_and_expire() -> None:
     assert pred.predict(PROMPT).hit(("a", 0)).hit_tokens == 992
 
     # a removal on "b" for a hash the overlay holds for "b" retires that entry
-    ov.record(("b", 0), PROMPT, None, None)
+    ov.finish(ov.record(("b", 0), PROMPT, None, None))
     removed = [BlockRemoved(block_hashes=[fa[61]], medium="GPU", group_idx=1)]
     ov.on_events(("b", 0), removed)
     assert len(ov) == 69
@@ -114,12 +115,46 @@ def test_record_predict_confirm_and_expire() -> None:
     assert ov.predict(PROMPT, None) is None and len(ov) == 0 and ov.expired == 2
 
 
+def test_entries_stand_while_the_request_is_in_flight_then_ttl_more() -> None:
+    """Under load vLLM may queue a request for longer than the TTL before scheduling it (no
+    event can exist before): its entries must not lapse while it is in flight."""
+    _, _, ov, clock = overlay_setup(ttl=2.0)
+    ov.hold_s = 60.0
+    slow = ov.record(("a", 0), PROMPT, None, None)
+    clock.t += 30.0  # fifteen TTLs in the replica's queue
+    assert len(ov) == 70 and ov.expired == 0
+    spec = ov.predict(PROMPT, None)
+    assert spec is not None and spec.hit(("a", 0)).hit_tokens == 992
+    ov.finish(slow)
+    ov.finish(slow)  # twice: still one grace, from the first
+    clock.t += 1.9
+    assert len(ov) == 70
+    clock.t += 0.2
+    assert ov.predict(PROMPT, None) is None and len(ov) == 0 and ov.expired == 1
+    # an answer that never ends is bounded by hold_s
+    hung = ov.record(("b", 0), PROMPT, None, None)
+    clock.t += 59.0
+    assert len(ov) == 70
+    clock.t += 1.5
+    ov.expire()
+    assert len(ov) == 0 and ov.expired == 2
+    ov.finish(hung)  # already retired: no effect, nothing queued again
+    assert len(ov) == 0 and not ov._fifo
+    # forgetting a replica covers requests in flight and finished ones alike
+    ov.finish(ov.record(("a", 0), PROMPT, None, None))
+    ov.record(("a", 0), PROMPT[:500], None, None)
+    assert len(ov) > 0
+    ov.forget_replica(("a", 0))
+    assert len(ov) == 0
+
+
 def test_discard_forget_and_refresh_by_a_later_request() -> None:
     index, _, ov, clock = overlay_setup(ttl=2.0)
     first = ov.record(("a", 0), PROMPT, None, None)
+    ov.finish(first)
     clock.t += 1.5
     ov.record(("a", 0), PROMPT, None, None)  # same blocks again: now owned by the later one
-    clock.t += 1.0  # the first one expires, the second holds the entries
+    clock.t += 1.0  # the first one expires, the second (in flight) holds the entries
     assert ov.predict(PROMPT, None) is not None and len(ov) == 70
     ov.discard(first)  # already retired: no effect
     assert len(ov) == 70

@@ -28,10 +28,19 @@ This is an overlay, never index state. :class:`SpeculativeOverlay` keeps its own
 reported prediction (the ``x-kvrouter-predicted-hit`` header, the error loop, explain's
 ``hit_tokens``) stays the events-only one; explain shows the speculative hit separately.
 
-Entries leave when the TTL expires, when the replica's events name their hash (stored: the
-index has it now; removed: the index is right and the overlay must not contradict it), when
-the replica's stream resets or loses events, when the replica is removed, or when the request
-failed over before reaching it (:meth:`discard`).
+Entries live as long as their request is in flight -- vLLM may keep a request waiting or
+prefilling for seconds under load, and until it is scheduled no event can exist -- and then
+``ttl_s`` more (:meth:`SpeculativeOverlay.finish`; the events of a finished request are
+published by then, this only covers their way here). ``hold_s`` bounds the in-flight part for
+an answer that never ends. Entries leave earlier when the replica's events name their hash
+(stored: the index has it now; removed: the index is right and the overlay must not contradict
+it), when the replica's stream resets or loses events, when the replica is removed, or when the
+request failed over before reaching it (:meth:`SpeculativeOverlay.discard`).
+
+The hit over index + overlay is the **admission-time** (expected) hit: what vLLM will find when
+it admits the request, with the requests routed ahead of it counted as cached. The events-only
+hit is what is already confirmed; the router reports both (``x-kvrouter-predicted-hit`` and
+``x-kvrouter-expected-hit``) and counts how often each equals vLLM's ``cached_tokens``.
 """
 
 from __future__ import annotations
@@ -146,11 +155,13 @@ class _View:
 @dataclass(slots=True)
 class _Insertion:
     expires: float
+    """While in flight: the ``hold_s`` bound; once finished: the end of the ``ttl_s`` grace."""
     key: ReplicaKey
     bit: int
     first: object
     entries: list[tuple[int, object]]
     live: bool = True
+    in_flight: bool = True
 
 
 class SpeculativeOverlay:
@@ -162,10 +173,12 @@ class SpeculativeOverlay:
         predictor: Predictor,
         ttl_s: float = 2.0,
         *,
+        hold_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
         self.ttl_s = ttl_s
+        self.hold_s = hold_s
         self._clock = clock
         self._base = predictor
         self._predictor = Predictor(_View(index, self))  # type: ignore[arg-type]
@@ -175,10 +188,14 @@ class SpeculativeOverlay:
         self._owner: dict[tuple[int, object, int], _Insertion] = {}
         """(group, hash, bit) -> the latest insertion holding it (it alone may retire it)."""
         self._firsts: collections.Counter[object] = collections.Counter()
+        # Two queues, each in expiry order because each has one constant lifetime: requests
+        # in flight by start (bound hold_s), finished ones by finish (grace ttl_s).
+        self._in_flight: collections.deque[_Insertion] = collections.deque()
         self._fifo: collections.deque[_Insertion] = collections.deque()
         self.inserted = 0
         self.confirmed = 0
         self.expired = 0
+        """Insertions retired by a clock (the grace after their answer, or ``hold_s``)."""
 
     def __len__(self) -> int:
         """Live (group, hash, replica) entries."""
@@ -220,14 +237,17 @@ class SpeculativeOverlay:
             del self._firsts[ins.first]
 
     def expire(self) -> None:
-        """Drop insertions older than the TTL (called by every other entry point)."""
+        """Drop insertions past their time (called by every other entry point)."""
         now = self._clock()
-        fifo = self._fifo
-        while fifo and (fifo[0].expires <= now or not fifo[0].live):
-            ins = fifo.popleft()
-            if ins.live:
-                self.expired += 1
-                self._retire(ins)
+        for queue in (self._in_flight, self._fifo):
+            while queue:
+                ins = queue[0]
+                if ins.live and (queue is self._fifo or ins.in_flight):
+                    if ins.expires > now:
+                        break
+                    self.expired += 1
+                    self._retire(ins)
+                queue.popleft()  # retired, or finished (it waits in the other queue)
 
     def record(
         self,
@@ -247,7 +267,7 @@ class SpeculativeOverlay:
             return None
         chain = hasher.lazy_chain(token_ids, keys)
         bit = self.index.slot_bit(key)
-        ins = _Insertion(self._clock() + self.ttl_s, key, bit, chain.wire(0), [])
+        ins = _Insertion(self._clock() + self.hold_s, key, bit, chain.wire(0), [])
         entries = ins.entries
         for group_ids, k, blocks in plan:
             for j in blocks:
@@ -256,9 +276,18 @@ class SpeculativeOverlay:
                     entries.append((g, h))
                     self._add(g, h, bit, ins)
         self._firsts[ins.first] += 1
-        self._fifo.append(ins)
+        self._in_flight.append(ins)
         self.inserted += 1
         return ins
+
+    def finish(self, ins: _Insertion | None) -> None:
+        """The request's answer ended (or broke off after it began): its entries stay
+        ``ttl_s`` more, for its last events to arrive, then the events alone speak."""
+        if ins is None or not ins.live or not ins.in_flight:
+            return
+        ins.in_flight = False
+        ins.expires = self._clock() + self.ttl_s
+        self._fifo.append(ins)
 
     def discard(self, ins: _Insertion | None) -> None:
         """The request did not reach that replica after all (it failed over)."""
@@ -267,9 +296,10 @@ class SpeculativeOverlay:
 
     def forget_replica(self, key: ReplicaKey) -> None:
         """The replica was removed, reset or lost events: nothing speculative stays."""
-        for ins in self._fifo:
-            if ins.key == key:
-                self._retire(ins)
+        for queue in (self._in_flight, self._fifo):
+            for ins in queue:
+                if ins.key == key:
+                    self._retire(ins)
 
     def on_events(self, key: ReplicaKey, events: Iterable[object]) -> None:
         """The replica's events arrived: entries they name are the index's business now."""

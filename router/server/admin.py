@@ -212,8 +212,11 @@ def admin_router(
                 else None
             )
             sp = spec_by_key.get(key)
-            # hit_tokens above is the events-only prediction; this is what the speculative
-            # overlay adds (routing only) and what the score used when present
+            # hit_tokens above is the events-only prediction; the admission-time one adds the
+            # requests routed ahead (the speculative overlay) and is what the score used
+            row["expected_hit_tokens"] = (
+                sp["hit_tokens"] if sp is not None else row.get("hit_tokens", 0)
+            )
             row["speculative"] = (
                 {
                     "hit_tokens": sp["hit_tokens"],
@@ -246,7 +249,9 @@ def admin_router(
             "chosen": {"replica": chosen[0], "dp_rank": chosen[1]},
             "tied": choice.decision.tied,
             "decision_seconds": elapsed,
-            "speculative_entries": len(pool.speculative) if pool.speculative else None,
+            "speculative_entries": (
+                len(pool.speculative) if pool.speculative is not None else None
+            ),
             "panic": panic,
             "replicas": rows,
             "excluded": excluded,

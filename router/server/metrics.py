@@ -230,6 +230,14 @@ class RouterMetrics:
             "kvrouter_prediction_checked", "Predictions compared with cached_tokens", rank,
             registry=r,
         )  # fmt: skip
+        self.prediction_outcomes = Counter(
+            "kvrouter_prediction_outcomes",
+            "Predicted hit of the chosen replica against vLLM's cached_tokens: exact, under or"
+            " over; basis events = the events-only hit (x-kvrouter-predicted-hit), admission ="
+            " events plus the requests routed ahead of it (x-kvrouter-expected-hit)",
+            ["pool", "basis", "outcome"],
+            registry=r,
+        )
         self.refused = Counter(
             "kvrouter_refused_requests",
             "Requests answered with an error before reaching a replica (auth, origin, content "

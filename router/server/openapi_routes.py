@@ -82,8 +82,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 _OK: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "the replica's answer: JSON, or server-sent events with stream = true; "
-        "headers x-kvrouter-replica and x-kvrouter-predicted-hit say where it went and the hit "
-        "the router predicted"
+        "headers x-kvrouter-replica, x-kvrouter-predicted-hit and x-kvrouter-expected-hit say "
+        "where it went, the hit the events confirm and the hit expected at admission (with "
+        "the requests routed there ahead of it)"
     }
 }
 

@@ -29,8 +29,10 @@ Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it cos
   the middle of a stream); unwinding closes the replica's connection (never back to the
   keep-alive pool), which is how vLLM learns to abort the request. Counted in
   ``kvrouter_client_disconnects_total{pool,phase}``.
-* Response headers ``x-kvrouter-replica`` (``name`` or ``name/dp<rank>`` with several ranks)
-  and ``x-kvrouter-predicted-hit`` say where the request went and what hit was expected.
+* Response headers ``x-kvrouter-replica`` (``name`` or ``name/dp<rank>`` with several ranks),
+  ``x-kvrouter-predicted-hit`` (the hit the events confirm) and ``x-kvrouter-expected-hit``
+  (the admission-time hit: events plus the requests routed there ahead of this one,
+  router.core.speculative) say where the request went and what hit was expected.
 * **Prediction error loop.** When the response carries
   ``usage.prompt_tokens_details.cached_tokens`` it is compared with the prediction for the
   chosen replica: metrics per replica, and mismatches kept for ``GET /admin/mismatches``.
@@ -383,11 +385,16 @@ class Proxy:
         headers = list(fwd)
         if rep.cfg.dp_rank_header:
             headers.append((rep.cfg.dp_rank_header.encode(), str(rank).encode()))
-        # the events-only prediction (the speculative hit only steers routing)
+        # the events-only prediction, and the admission-time one (events + the requests
+        # routed ahead of this one: the speculative overlay, when it could change the hit)
         hit: ReplicaHit | None = None
         if choice.prediction is not None:
             with contextlib.suppress(KeyError):
                 hit = choice.prediction.hit(key)
+        expected = hit
+        if choice.speculative is not None:
+            with contextlib.suppress(KeyError):
+                expected = choice.speculative.hit(key)
         predicted = hit.hit_tokens if hit is not None else 0
         label = key[0] if len(rep.ranks) == 1 else f"{key[0]}/dp{rank}"
         # the prefill it still owes uses the hit the policy ranked with: a request stacked on
@@ -413,6 +420,7 @@ class Proxy:
                     (b"x-request-id", request_id),
                     (b"x-kvrouter-replica", label.encode()),
                     (b"x-kvrouter-predicted-hit", str(predicted).encode()),
+                    (b"x-kvrouter-expected-hit", str(_tokens(expected)).encode()),
                 ]
                 is_sse = stream and status == 200
                 if not is_sse:
@@ -435,7 +443,7 @@ class Proxy:
                     await send({"type": "http.response.body", "body": data})
                     first = False
                     if status == 200:
-                        self._check(choice, hit, key, label, data, request_id)
+                        self._check(choice, hit, expected, key, label, data, request_id)
                     return
                 tail = b""
                 stripper = UsageStripper() if strip_usage else None
@@ -487,7 +495,7 @@ class Proxy:
                 await send({"type": "http.response.body", "body": rest, "more_body": False})
                 if stripper is not None and stripper.usage is not None:
                     tail = stripper.usage
-                self._check(choice, hit, key, label, tail, request_id)
+                self._check(choice, hit, expected, key, label, tail, request_id)
             finally:
                 await resp.aclose()  # closes the connection unless the answer was read whole
         except asyncio.CancelledError:
@@ -496,6 +504,10 @@ class Proxy:
                 choice.pool.speculative.discard(choice.insertion)
             raise
         finally:
+            if choice.pool.speculative is not None:
+                # in flight no more: its entries get the grace for its last events (a failover
+                # discards them right after this, a cancelled start did above)
+                choice.pool.speculative.finish(choice.insertion)
             self._release_pending(rep, rank, pending)
             rep.in_flight[rank] -= 1
             gauge.dec()
@@ -509,13 +521,16 @@ class Proxy:
         self,
         choice: RouteChoice,
         hit: ReplicaHit | None,
+        expected: ReplicaHit | None,
         key: tuple[str, int],
         label: str,
         data: bytes,
         request_id: bytes,
     ) -> None:
         """Compare the reported hit with the prediction (prediction error loop); ``hit`` is
-        the chosen replica's row of ``choice.prediction``."""
+        the chosen replica's row of ``choice.prediction``, ``expected`` its admission-time
+        row. Only the events-only prediction feeds the mismatch log and learning: a request
+        routed ahead that has not run yet explains an admission-time miss, not the index."""
         pred = choice.prediction
         if pred is None or hit is None:
             return
@@ -527,6 +542,9 @@ class Proxy:
         err = abs(actual - predicted)
         metrics = self._m
         pool, rank = choice.pool.name, str(key[1])
+        outcomes = metrics.prediction_outcomes
+        outcomes.labels(pool, "events", _outcome(predicted, actual)).inc()
+        outcomes.labels(pool, "admission", _outcome(_tokens(expected), actual)).inc()
         metrics.prediction_checked.labels(pool, key[0], rank).inc()
         metrics.prediction_error.labels(pool, key[0], rank).observe(err)
         metrics.predicted_hit.labels(pool).observe(predicted)
@@ -581,6 +599,14 @@ class Proxy:
                 limiting_group=row.get("limiting_group"),
             ),
         )  # fmt: skip
+
+
+def _tokens(hit: ReplicaHit | None) -> int:
+    return hit.hit_tokens if hit is not None else 0
+
+
+def _outcome(predicted: int, actual: int) -> str:
+    return "exact" if predicted == actual else "under" if predicted < actual else "over"
 
 
 def _clen(data: bytes) -> tuple[bytes, bytes]:

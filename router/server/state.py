@@ -139,7 +139,10 @@ class PoolState:
         self.speculative: SpeculativeOverlay | None = None
         if cfg.policy.speculative_insert and cfg.policy.name in ("kv", "prefix_group_blind"):
             self.speculative = SpeculativeOverlay(
-                self.index, self.predictor, cfg.policy.speculative_ttl_s
+                self.index,
+                self.predictor,
+                cfg.policy.speculative_ttl_s,
+                hold_s=cfg.policy.speculative_hold_s,
             )
         self.policy: Policy = make_policy(cfg.policy)
         self.fallback = LeastLoadPolicy(cfg.policy)
