@@ -25,7 +25,7 @@ models EAGLE retention).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from events.layout import SLIDING_KINDS, GroupKind, GroupSpec
 
@@ -101,9 +101,26 @@ def retained_blocks(
     retention: int | None,
     reachable: Collection[int],
 ) -> list[int]:
-    """The blocks ``lo <= j < hi`` that :func:`is_retained` keeps, in order."""
+    """The blocks ``lo <= j < hi`` that :func:`is_retained` keeps, in order.
+
+    Dense kinds keep the whole range, and with the default retention (0) a sliding-window or
+    Mamba group keeps only blocks next to a reachable boundary: those are read off the
+    boundaries instead of testing every block (a router does this for every request it
+    routes, router.core.speculative)."""
+    kind = spec.kind
+    sparse = kind in SLIDING_KINDS or kind == GroupKind.MAMBA
+    if not sparse:
+        return list(range(lo, hi))
+    b = spec.block_size
+    candidates: Iterable[int] = range(lo, hi)
+    if retention == 0 and not (kind in SLIDING_KINDS and alignment % b):
+        reach = window_tail_blocks(spec.sliding_window or 1, b) if kind in SLIDING_KINDS else 1
+        near: set[int] = set()
+        for c in reachable:
+            near.update(range(max(lo, c // b - reach - 1), min(hi, c // b + 1)))
+        candidates = sorted(near)
     return [
         j
-        for j in range(lo, hi)
+        for j in candidates
         if is_retained(spec, j, alignment=alignment, retention=retention, reachable=reachable)
     ]

@@ -1,0 +1,161 @@
+"""What the admission-time view costs per routing decision (issue 17): ``PoolState.decide``
+with the speculative overlay off, on with nothing in flight, and on with requests in flight
+that share the request's system prompt (then every decision runs a second prediction over
+index + overlay, and records its own entries).
+
+The pool is the router's own (``router.server.state.PoolState``, no HTTP, no subscribers),
+hybrid full attention + sliding window 128 with 16-token blocks (``config/layouts/fa_swa``'s
+shape), ``--replicas`` replicas each holding a share of eight 1,000-token system prompts
+(stored through ``KVIndex.apply_events``, as events would). Each decision is a new
+``--tokens``-token prompt behind one of the system prompts. "in flight" keeps the last
+``--in-flight`` decisions' insertions open and finishes the oldest as a new one comes, as the
+proxy does when answers end.
+
+    .venv/bin/python bench/decide_bench.py [--replicas 2 8 32] [--n 2000] [--tokens 2000]
+
+Prints a table (median and p90 microseconds per decision, and on/off ratios measured in the
+same run) and writes ``bench/results/decide_bench.json``.
+
+Where the cost goes: with the overlay on, every decision hashes its prompt's every block to
+record what it will cache (the events-only prediction stops hashing at the first block no
+replica holds), so "on, idle" already costs the full chain's hashes; "in flight" adds the
+second prediction over index + overlay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from events.schema import BlockStored  # noqa: E402
+from router.config import parse_config  # noqa: E402
+from router.server.state import PoolState, RouterState  # noqa: E402
+
+SYSTEMS = 8
+
+
+def make_pool(replicas: int, speculative: bool) -> PoolState:
+    toml = f"""
+[server]
+metrics_scrape_interval_s = 0
+[[pools]]
+model = "m"
+[pools.layout]
+groups = [{{kind = "full_attention", block_size = 16}},
+          {{kind = "sliding_window", block_size = 16, sliding_window = 128}}]
+[pools.policy]
+seed = 1
+speculative_insert = {"true" if speculative else "false"}
+"""
+    for i in range(replicas):
+        toml += f'[[pools.replicas]]\nname = "r{i}"\nurl = "http://127.0.0.1:9"\n'
+    config = parse_config(toml)
+    pool = PoolState(config.pools[0], RouterState(config))
+
+    async def add() -> None:
+        for rcfg in config.pools[0].replicas:
+            await pool.add_replica(rcfg)
+
+    asyncio.run(add())
+    for i in range(replicas):
+        pool.index.reset_replica((f"r{i}", 0))  # no event stream here: known empty, trusted
+    return pool
+
+
+def store(pool: PoolState, systems: list[list[int]]) -> None:
+    """Each system prompt on two replicas (round robin), every block in both groups."""
+    hasher = pool.index.hasher()
+    keys = pool.index.replicas()
+    for s, tokens in enumerate(systems):
+        wire = hasher.wire_chain(tokens)
+        for key in (keys[s % len(keys)], keys[(s + 1) % len(keys)]):
+            pool.index.apply_events(
+                key,
+                [
+                    BlockStored(block_hashes=wire, parent_block_hash=None,
+                                token_ids=tokens[: len(wire) * 16], block_size=16, lora_id=None,
+                                medium="GPU", lora_name=None, group_idx=g)
+                    for g in (0, 1)
+                ],
+            )  # fmt: skip
+
+
+def run(replicas: int, mode: str, n: int, tokens: int, in_flight: int) -> list[float]:
+    rng = random.Random(replicas)
+    systems = [[rng.randrange(7, 2048) for _ in range(1000)] for _ in range(SYSTEMS)]
+    pool = make_pool(replicas, mode != "off")
+    store(pool, systems)
+    prompts = [
+        systems[rng.randrange(SYSTEMS)] + [rng.randrange(7, 2048) for _ in range(tokens - 1000)]
+        for _ in range(n)
+    ]
+    open_ins: list[object] = []
+    times = []
+    for p in prompts:
+        t0 = time.perf_counter()
+        choice = pool.decide(p, {})
+        times.append(time.perf_counter() - t0)
+        if pool.speculative is not None:
+            if mode == "on, idle":
+                pool.speculative.discard(choice.insertion)
+            else:
+                open_ins.append(choice.insertion)
+                if len(open_ins) > in_flight:
+                    pool.speculative.finish(open_ins.pop(0))  # type: ignore[arg-type]
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 8, 32])
+    ap.add_argument("--n", type=int, default=2000, help="decisions per cell")
+    ap.add_argument("--tokens", type=int, default=2000, help="prompt tokens per request")
+    ap.add_argument("--in-flight", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/decide_bench.json")
+    args = ap.parse_args(argv)
+    logging.disable(logging.WARNING)  # "no event endpoint configured" per replica: known here
+    modes = ["off", "on, idle", f"on, {args.in_flight} in flight"]
+    rows = []
+    for r in args.replicas:
+        cells = {}
+        for mode in modes:
+            t = run(r, mode if not mode.endswith("in flight") else "flight", args.n,
+                    args.tokens, args.in_flight)  # fmt: skip
+            t = t[len(t) // 10 :]  # warm-up (hash memo, first inserts) out
+            cells[mode] = {
+                "p50_us": 1e6 * statistics.median(t),
+                "p90_us": 1e6 * sorted(t)[int(0.9 * (len(t) - 1))],
+            }
+            print(f"  replicas {r:>3} {mode:<18} p50 {cells[mode]['p50_us']:8.1f} us", flush=True)
+        rows.append({"replicas": r, **cells})
+    print(f"\ndecide() per request, {args.tokens}-token prompts, fa+swa 16-token blocks, "
+          f"{args.n} decisions per cell (medians; p90 in brackets)")  # fmt: skip
+    print(f"{'replicas':>8} " + " ".join(f"{m:>24}" for m in modes) + "   on/off (in flight)")
+    for row in rows:
+        cells = " ".join(
+            f"{row[m]['p50_us']:>12.1f} [{row[m]['p90_us']:>8.1f}] us"[-24:].rjust(24)
+            for m in modes
+        )
+        ratio = row[modes[2]]["p50_us"] / row["off"]["p50_us"]
+        print(f"{row['replicas']:>8} {cells}   {ratio:.2f}x")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"python": platform.python_version(), "machine": platform.machine()}
+    args.out.write_text(json.dumps({"meta": meta, "args": vars(args) | {"out": str(args.out)},
+                                    "rows": rows}, indent=2))  # fmt: skip
+    print(f"JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
