@@ -19,7 +19,13 @@ from fastapi.responses import StreamingResponse
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.real_vllm.load import kvrouter_config, main, policy_options  # noqa: E402
+from bench.real_vllm.load import (  # noqa: E402
+    handler_counts,
+    kvrouter_config,
+    main,
+    policy_options,
+    success_counts,
+)
 from bench.real_vllm.load_client import LoadRunner  # noqa: E402
 from bench.real_vllm.load_plan import CHAT_OVERHEAD, PlanConfig, make_plan  # noqa: E402
 from bench.real_vllm.load_report import exactness, paired, percentile, summarize_run  # noqa: E402
@@ -231,3 +237,19 @@ def test_summarize_rebuilds_table_pairs_and_plot_from_json(tmp_path: Path) -> No
     assert rows["cache_aware"]["ttft_mean_wins"] == 2  # 80 < 120 twice, 80 > 60 twice
     assert rows["round_robin"]["pairs"] == 1
     assert "| cache_aware | 4 | +3.0, +4.0, +3.0, +4.0 | +3.5 | 4/4 | 2/4 | 2/4 |" in md
+
+
+def test_replica_metrics_are_parsed_per_replica_and_handler() -> None:
+    text = (
+        "# HELP http_requests_total x\n"
+        'http_requests_total{handler="/v1/chat/completions",method="POST",status="2xx"} 12.0\n'
+        'http_requests_total{handler="/v1/completions/render",method="POST",status="2xx"} 3.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0\n'
+        'vllm:request_success_created{engine="0",finished_reason="stop",model_name="m"} 1.7e9\n'
+    )
+    assert success_counts({"A": text, "B": text.replace("} 2.0", "} 5.0")}) == {"A": 3, "B": 6}
+    assert handler_counts({"A": text, "B": text}) == {
+        "/v1/chat/completions 2xx": 24,
+        "/v1/completions/render 2xx": 6,
+    }

@@ -23,6 +23,9 @@ the whole message history), inserted at routing time, with no events. When the r
 pending-request counts are imbalanced (max - min > 64 and max > 1.5 × min: never with 2–7 in
 flight) it sends to the least loaded worker; otherwise to the worker with the longest matched
 prefix if that covers more than 30 % of the text, else to the worker with the smallest tree.
+Observed here (the replicas' ``http_requests_total``): it calls ``/v1/chat/completions/render``
+twice per chat request on the replicas, which is why they need ``--enable-scale-out``; it adds
+no header naming the worker (``x-request-id`` and CORS headers only).
 
 Measured per run: reuse (Σ cached / Σ prompt tokens from the streamed usage), TTFT
 p50/p90/p99/mean (first content chunk), per-replica request counts (the replicas'
@@ -42,6 +45,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import re
 import shlex
 import shutil
 import sys
@@ -101,18 +105,38 @@ def kvrouter_config(
     return serve_config(fleet, port, groups, 0, policy, options)
 
 
-def success_counts(fleet: VllmFleet) -> dict[str, int]:
-    """Finished requests per replica from its Prometheus ``vllm:request_success_total``."""
-    out = {}
-    for r in fleet.replicas:
-        text = httpx.get(f"{r.url}/metrics", timeout=10).text
-        out[r.name] = int(
-            sum(
-                float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith("vllm:request_success_total{")
-            )
-        )
+def scrape(fleet: VllmFleet) -> dict[str, str]:
+    """Each replica's Prometheus text."""
+    return {r.name: httpx.get(f"{r.url}/metrics", timeout=10).text for r in fleet.replicas}
+
+
+def _samples(text: str, name: str) -> list[tuple[str, float]]:
+    """(labels, value) of every sample of metric ``name``."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, _, value = line[len(name) + 1 :].rpartition("} ")
+            out.append((labels, float(value)))
+    return out
+
+
+def success_counts(metrics: dict[str, str]) -> dict[str, int]:
+    """Finished requests per replica (``vllm:request_success_total``, all reasons)."""
+    return {
+        name: int(sum(v for _, v in _samples(text, "vllm:request_success_total")))
+        for name, text in metrics.items()
+    }
+
+
+def handler_counts(metrics: dict[str, str]) -> dict[str, int]:
+    """HTTP requests per (handler, status) over all replicas (``http_requests_total``): shows
+    which endpoints a router calls besides the proxied one (e.g. vllm-router's render)."""
+    out: dict[str, int] = {}
+    for text in metrics.values():
+        for labels, v in _samples(text, "http_requests_total"):
+            tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            key = f"{tags.get('handler', '?')} {tags.get('status', '?')}"
+            out[key] = out.get(key, 0) + int(v)
     return out
 
 
@@ -153,7 +177,7 @@ def run_one(policy: str, seed: int, repeat: int, args: argparse.Namespace) -> di
         prime(fleet, random.Random(10_000 + seed))
         if admin is not None:
             settle(admin, 0.5)
-        before = success_counts(fleet)
+        before = scrape(fleet)
 
         def progress(done: int, planned: int) -> None:
             print(f"    {policy} seed {seed} rep {repeat}: {done}/{planned} done", file=sys.stderr)
@@ -162,7 +186,7 @@ def run_one(policy: str, seed: int, repeat: int, args: argparse.Namespace) -> di
         t1 = time.monotonic()
         finished = asyncio.run(runner.run(args.run_deadline))
         run_s = time.monotonic() - t1
-        after = success_counts(fleet)
+        after = scrape(fleet)
         workdir = fleet.workdir
     records = [dataclasses.asdict(r) for r in runner.records]
     summary = {
@@ -172,7 +196,10 @@ def run_one(policy: str, seed: int, repeat: int, args: argparse.Namespace) -> di
         "options": args.options if policy in KVROUTER_POLICIES else {},
         "requests_planned": plan.requests,
         **summarize_run(records),
-        "per_replica": {k: after[k] - before[k] for k in after},
+        "per_replica": {k: n - success_counts(before)[k] for k, n in success_counts(after).items()},
+        "replica_http_requests": {
+            k: n - handler_counts(before).get(k, 0) for k, n in handler_counts(after).items()
+        },
         "timed_out": not finished,
         "fleet_start_s": fleet_s,
         "startup_s": startup_s,
