@@ -14,6 +14,7 @@ __all__ = [
     "plot_decision_latency",
     "plot_ingest",
     "plot_proxy",
+    "plot_real_vllm_load",
     "plot_routing_sim",
 ]
 
@@ -144,3 +145,48 @@ def plot_proxy(bars: list[tuple[str, float, float]], out_dir: Path) -> list[Path
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
+
+
+_LOAD_ORDER = ("kv", "prefix_group_blind", "cache_aware", "least_load", "round_robin")
+
+
+def plot_real_vllm_load(doc: dict[str, Any], out_path: Path) -> list[Path]:
+    """The concurrent real-vLLM benchmark: reuse (%) and TTFT p90 (ms) per policy, one colour
+    per seed, each repeat a point (so the run-to-run spread shows), the mean per seed a bar."""
+    runs = doc.get("runs") or []
+    if not runs:
+        return []
+    plt = _plt()
+    present = {r["policy"] for r in runs}
+    policies = [p for p in _LOAD_ORDER if p in present] + sorted(present - set(_LOAD_ORDER))
+    seeds = sorted({r["seed"] for r in runs})
+    width = 0.8 / len(seeds)
+    fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 2.0 * len(policies) + 3), 3.6))
+    panels = (
+        (axes[0], lambda r: 100 * r["reuse"], "prompt tokens served from cache (%)"),
+        (axes[1], lambda r: r["ttft_ms"]["p90"], "TTFT p90 (ms)"),
+    )
+    for ax, value, ylabel in panels:
+        for j, seed in enumerate(seeds):
+            color = f"C{j}"
+            for i, policy in enumerate(policies):
+                vals = [
+                    value(r)
+                    for r in runs
+                    if r["policy"] == policy and r["seed"] == seed and value(r) is not None
+                ]
+                if not vals:
+                    continue
+                x = i - 0.4 + width * (j + 0.5)
+                ax.bar(x, sum(vals) / len(vals), width * 0.9, color=color, alpha=0.35)
+                ax.scatter([x] * len(vals), vals, color=color, s=14, zorder=3,
+                           label=f"seed {seed}" if i == 0 else None)  # fmt: skip
+        ax.set_xticks(range(len(policies)))
+        ax.set_xticklabels(policies, rotation=30, ha="right")
+        ax.set_ylabel(ylabel)
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return [out_path]

@@ -12,6 +12,7 @@ full_attention (../../../shared/spec/real-vllm-on-cpu.md).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 VOCAB = 2048
@@ -62,8 +63,18 @@ def word(token_id: int) -> str:
     return f"w{token_id - len(SPECIALS)}"
 
 
-def write_model(directory: Path) -> Path:
-    """Write config, generation config and tokenizer files into ``directory``."""
+def write_model(
+    directory: Path,
+    sliding_window: int = 64,
+    layer_types: Sequence[str] | None = None,
+) -> Path:
+    """Write config, generation config and tokenizer files into ``directory``.
+
+    ``sliding_window`` and ``layer_types`` (``"sliding_attention"`` / ``"full_attention"`` per
+    layer; default ``CONFIG``'s alternating four) let a benchmark serve another hybrid pattern,
+    e.g. three sliding-window layers per full-attention one; the defaults are the model the
+    golden tests were recorded with.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     directory = Path(directory)
@@ -85,7 +96,14 @@ def write_model(directory: Path) -> Path:
         "unk_token": "<unk>",
         "pad_token": "<pad>",
     }
-    (directory / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    layers = list(layer_types) if layer_types is not None else list(CONFIG["layer_types"])
+    config = {
+        **CONFIG,
+        "sliding_window": sliding_window,
+        "layer_types": layers,
+        "num_hidden_layers": len(layers),
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}, indent=2)
     )

@@ -70,12 +70,18 @@ class VllmFleet:
     num_blocks: int = 160
     buffer_steps: int | None = None
     """vLLM's replay ring (``--kv-events-config buffer_steps``; None: vLLM's 10,000)."""
+    max_num_seqs: int = 4
+    sliding_window: int = 64
+    layer_types: tuple[str, ...] | None = None
+    """The served model's layer pattern (``write_model``; None: its default)."""
+    extra_args: tuple[str, ...] = ()
+    """More ``vllm serve`` flags, the same for every replica (e.g. ``--enable-scale-out``)."""
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvrouter-vllm-")))
     replicas: list[Replica] = field(default_factory=list)
 
     def start(self, timeout: float = 240.0) -> VllmFleet:
         python = vllm_python()
-        model = write_model(self.workdir / "model")
+        model = write_model(self.workdir / "model", self.sliding_window, self.layer_types)
         cores = ["0", "1"] if (os.cpu_count() or 1) >= 2 else ["nobind"]
         for i in range(self.n):
             p = self.base_port + 10 * i
@@ -106,7 +112,7 @@ class VllmFleet:
                 "--host", "127.0.0.1", "--port", str(rep.port),
                 "--served-model-name", "tiny-hybrid",
                 "--load-format", "dummy", "--dtype", "bfloat16",
-                "--max-model-len", "2048", "--max-num-seqs", "4",
+                "--max-model-len", "2048", "--max-num-seqs", str(self.max_num_seqs),
                 "--max-num-batched-tokens", "512", "--block-size", "32",
                 "--num-gpu-blocks-override", str(self.num_blocks),
                 "--enable-prefix-caching", "--enable-prompt-tokens-details",
@@ -116,6 +122,7 @@ class VllmFleet:
             ]  # fmt: skip
             if self.retention_interval is not None:
                 args += ["--prefix-cache-retention-interval", str(self.retention_interval)]
+            args += self.extra_args
             rep.log = self.workdir / f"replica-{rep.name}.log"
             with rep.log.open("wb") as log:
                 rep.proc = subprocess.Popen(

