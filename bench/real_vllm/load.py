@@ -153,8 +153,21 @@ def new_fleet(args: argparse.Namespace) -> VllmFleet:
     )
 
 
-def run_one(policy: str, seed: int, repeat: int, args: argparse.Namespace) -> dict[str, Any]:
+def split_variant(spec: str, options: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """``kv:lookahead_weight=2,speculative_insert=false`` -> the kvrouter policy and its
+    ``[pools.policy]`` keys (over ``--policy-option``'s); a plain name passes through. The
+    whole string labels the runs, so variants of one policy sit side by side in the table."""
+    name, _, extra = spec.partition(":")
+    if name not in POLICIES:
+        raise SystemExit(f"unknown policy {name!r} in {spec!r}: one of {', '.join(POLICIES)}")
+    if extra and name not in KVROUTER_POLICIES:
+        raise SystemExit(f"{spec!r}: only kvrouter policies take options")
+    return name, {**options, **policy_options([x for x in extra.split(",") if x])}
+
+
+def run_one(label: str, seed: int, repeat: int, args: argparse.Namespace) -> dict[str, Any]:
     """One run on fresh replicas; returns its summary with every request record."""
+    policy, options = split_variant(label, args.options)
     plan = make_plan(seed, plan_config(args))
     t0 = time.monotonic()
     fleet = new_fleet(args)
@@ -168,7 +181,7 @@ def run_one(policy: str, seed: int, repeat: int, args: argparse.Namespace) -> di
             log = fleet.workdir / "vllm-router.log"
             base = stack.enter_context(vllm_router_process(urls, port, port + 5, log))
         else:
-            cfg = kvrouter_config(fleet, policy, port, args.options, args.tie_seed)
+            cfg = kvrouter_config(fleet, policy, port, options, args.tie_seed)
             client, admin = stack.enter_context(
                 router_process(fleet, policy, port, 0, args.tie_seed, config=cfg)
             )
@@ -180,7 +193,7 @@ def run_one(policy: str, seed: int, repeat: int, args: argparse.Namespace) -> di
         before = scrape(fleet)
 
         def progress(done: int, planned: int) -> None:
-            print(f"    {policy} seed {seed} rep {repeat}: {done}/{planned} done", file=sys.stderr)
+            print(f"    {label} seed {seed} rep {repeat}: {done}/{planned} done", file=sys.stderr)
 
         runner = LoadRunner(plan, base, MODEL, progress=progress)
         t1 = time.monotonic()
@@ -190,10 +203,10 @@ def run_one(policy: str, seed: int, repeat: int, args: argparse.Namespace) -> di
         workdir = fleet.workdir
     records = [dataclasses.asdict(r) for r in runner.records]
     summary = {
-        "policy": policy,
+        "policy": label,
         "seed": seed,
         "repeat": repeat,
-        "options": args.options if policy in KVROUTER_POLICIES else {},
+        "options": options if policy in KVROUTER_POLICIES else {},
         "requests_planned": plan.requests,
         **summarize_run(records),
         "per_replica": {k: n - success_counts(before)[k] for k, n in success_counts(after).items()},
@@ -250,7 +263,14 @@ def write_outputs(doc: dict[str, Any], out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=list(POLICIES),
+        metavar="POLICY[:KEY=VALUE,...]",
+        help=f"of {', '.join(POLICIES)}; kvrouter ones may carry [pools.policy] keys, "
+        "e.g. kv:speculative_insert=false (the whole string labels its runs)",
+    )
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--requests", type=int, default=150)
@@ -276,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summarize", action="store_true", help="only rebuild table and plot")
     args = ap.parse_args(argv)
     args.options = policy_options(args.policy_option)
+    for spec in args.policies:
+        split_variant(spec, args.options)  # refuse a bad one before any replica starts
     if args.summarize:
         print(write_outputs(json.loads(args.out.read_text()), args.out))
         return 0
