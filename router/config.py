@@ -283,11 +283,17 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heavy load was 0.254 s against group-blind's 0.133 s; at 256/1024 it was 0.145 s against
     0.205 s, with kv's cached share still above group-blind's in every scenario. 512/2048 gave
     up more reuse (Mooncake fa_swa, 16 replicas: 30.2 % against 31.3 %)."""
-    lookahead_weight: float = 1.0
-    """Credit per token of the full-attention prefix a replica holds (future reuse). 1.0 won
-    the routing simulator's 0.25 / 0.5 / 1.0 sweep; 0 (greedy exact hit) only ties with
-    group-blind routing; 2.0 gained reuse within the seed-to-seed spread at the price of more
-    queueing and imbalance (bench/results/REPORT.md, look-ahead sweep)."""
+    lookahead_weight: float = 2.0
+    """Credit per token of the full-attention prefix a replica holds (future reuse). On two
+    real vLLM replicas under concurrent load (bench/real_vllm/load.py, 3 seeds, issue 17) 2.0
+    against 1.0 kept every conversation on its replica (0-5 of ~97 later turns moved, against
+    6-10) and raised reuse from 58.3-58.9 % to 60.2-63.5 % with a lower TTFT mean; the
+    routing simulator's earlier sweep had preferred 1.0 (bench/results/REPORT.md, look-ahead
+    sweep: 2.0 gained reuse within the seed-to-seed spread at some queueing)."""
+    pressure_weight: float = 0.0
+    """Cost per token of cache pressure (``recent_new_tokens``, router.core.policy)."""
+    pressure_half_life_s: float = 30.0
+    """How fast cache pressure fades: about the time a replica's cache takes to turn over."""
     lower_tier_weights: dict[str, float] = msgspec.field(
         default_factory=lambda: {"CPU": 0.5, "STORAGE": 0.2}
     )
@@ -303,6 +309,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (router.core.speculative). Never changes the reported prediction. Off by default: while
     entries share a request's first block it costs a second prediction and an insert per
     request (bench/proxy_bench.py: router CPU ~0.4 -> ~1.0 ms per 2,000-token request)."""
+    speculative_routing: bool = True
+    """With ``speculative_insert``: rank replicas on the admission-time hit (false: keep the
+    overlay only to report it, ``x-kvrouter-expected-hit``, and route on events alone)."""
     speculative_ttl_s: float = 2.0
     """How long a request's speculative entries outlive its answer without the events that
     confirm them (the events of a finished request are already published; this covers
@@ -318,7 +327,10 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "speculative_ttl_s and speculative_hold_s must be > 0 "
                 "(set speculative_insert = false to turn speculation off)"
             )
-        for f in ("per_request_tokens", "waiting_request_tokens", "lookahead_weight"):
+        if self.pressure_half_life_s <= 0:
+            raise ValueError("pressure_half_life_s must be > 0")
+        for f in ("per_request_tokens", "waiting_request_tokens", "lookahead_weight",
+                  "pressure_weight"):  # fmt: skip
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0")
         if self.temperature < 0:

@@ -42,7 +42,10 @@ def send(c: SimCluster, prompt: str, max_tokens: int, out: dict[str, Any]) -> No
     out["status"] = r.status_code
     out["predicted"] = int(r.headers["x-kvrouter-predicted-hit"])
     out["expected"] = int(r.headers["x-kvrouter-expected-hit"])
-    out["cached"] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    usage = r.json()["usage"]
+    out["cached"] = usage["prompt_tokens_details"]["cached_tokens"]
+    out["prompt"] = usage["prompt_tokens"]
+    out["routed_hit"] = out["expected"]
 
 
 def in_flight(c: SimCluster) -> float:
@@ -96,5 +99,9 @@ def test_expected_hit_counts_the_requests_routed_ahead(cluster: SimCluster) -> N
     if c.speculative:  # type: ignore[attr-defined]
         wait_for(lambda: c.explain(prompt=turn)["speculative_entries"] == 0, 10, "overlay to empty")
     (row,) = c.explain(prompt=turn2)["replicas"]
+    # cache pressure: the uncached tokens sent there, by the hit each was routed with (the
+    # third's expected hit with speculation, 0 without), decaying over a 30 s half-life
+    sent = sum(r["prompt"] - r["routed_hit"] for r in results)
+    assert 0.8 * sent < row["load"]["recent_new_tokens"] <= sent
     # the same prompt again: its own checkpoint now, and no speculation left to add
     assert row["hit_tokens"] == row["expected_hit_tokens"] > third["cached"]

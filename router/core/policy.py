@@ -9,7 +9,8 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
                     + waiting_request_tokens · waiting
                     + kv_pressure_tokens · max(0, kv_usage - threshold) / (1 - threshold)
     look_ahead    = lookahead_weight · fa_prefix_tokens
-    cost          = prefill + queued - look_ahead
+    pressure      = pressure_weight · recent_new_tokens
+    cost          = prefill + queued - look_ahead + pressure
 
 * ``gpu_hit`` is the exact hybrid hit vLLM will report (router.core.predict); an untrusted replica
   has ``gpu_hit = tier hits = fa_prefix = 0``: never a guess (ARCHITECTURE decision 3).
@@ -25,17 +26,26 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   what the full-attention group alone holds). When a request's hit is limited by a sliding
   window group, vLLM pins ``shared_prefix_boundary`` at that junction and stores a window
   checkpoint there (spec §4.1, §4.7): the *next* request with the same prefix then hits on that
-  replica. With the default weight ``w = 1`` a replica scores its exact hit plus the prefix it
-  holds (the hit now plus the hit the next similar request is expected to get there): an exact
-  hit still decides between equal prefixes, and a long full-attention prefix beats a short
-  exact hit elsewhere. The credit is in prefill tokens, so it also outbids queued work: on the
+  replica. With ``w = 1`` a replica scores its exact hit plus the prefix it holds (the hit now
+  plus the hit the next similar request is expected to get there): an exact hit still decides
+  between equal prefixes, and a long full-attention prefix beats a short exact hit elsewhere.
+  The credit is in prefill tokens, so it also outbids queued work: on the
   routing simulator (bench/routing_sim.py --quick, fa_swa, 3 seeds, load terms 64/256) w 1 -> 16
   raised the cached share (N=4: 19.7 -> 23.9 %) but also imbalance and queueing (N=16: 1.29 ->
-  1.62, queue 0.034 -> 0.112 s); 1.0 won the 0.25 / 0.5 / 1.0 sweep and is the default. On two
-  real vLLM replicas with sequential traffic (bench/real_vllm/through_router.py, 150
-  requests) kv at w = 1 and w = 3 and prefix_group_blind made the same choice at every request
-  under the same tie-break seed: none chose below the best exact or group-blind hit, and
-  reuse there moves 50.0-56.7 % with the tie-break seed alone.
+  1.62, queue 0.034 -> 0.112 s); 1.0 won the 0.25 / 0.5 / 1.0 sweep. On two real vLLM
+  replicas with sequential traffic (bench/real_vllm/through_router.py, 150 requests) kv at
+  w = 1 and w = 3 and prefix_group_blind made the same choice at every request under the same
+  tie-break seed. Under concurrent load on real vLLM (bench/real_vllm/load.py, issue 17) the
+  load terms moved 6-10 % of conversation turns off the replica holding their history at
+  w = 1, each losing its whole hit; w = 2 kept them (reuse 58-59 % -> 60-63 %, TTFT mean
+  lower) and is the default: the credit is then twice the held prefix, so only a queue that
+  outweighs hit and look-ahead together moves a conversation.
+
+* **Cache pressure.** ``recent_new_tokens`` are the uncached prompt tokens the router sent
+  the replica lately (a sum decaying with ``pressure_half_life_s``, router.core.pressure):
+  how fast it has been evicting. It places a new prefix family or a one-off where the
+  cache turns over slowest, so prefixes live longer on both replicas; a request with a
+  real hit stays on its replica unless the pressure gap outweighs hit and look-ahead.
 
 Candidates whose cost is within ``tie_tokens`` of the best are tied and one is picked with the
 injected RNG; with ``temperature > 0`` the choice is sampled from ``softmax(-cost / T)``. The
@@ -90,6 +100,8 @@ class Candidate:
     trusted: bool = True
     in_flight: int = 0
     pending_prefill_tokens: int = 0
+    recent_new_tokens: float = 0.0
+    """Cache pressure: uncached tokens sent lately (router.core.pressure)."""
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
@@ -106,6 +118,7 @@ class Scored:
     prefill: float
     queued: float
     look_ahead: float
+    pressure: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -117,6 +130,7 @@ class Scored:
             "prefill": self.prefill,
             "queued": self.queued,
             "look_ahead": self.look_ahead,
+            "pressure": self.pressure,
         }
 
 
@@ -221,7 +235,9 @@ class KVCostPolicy(_CostPolicy):
             hit, eff, ahead = 0, 0.0, 0.0
         prefill = max(0.0, num_tokens - eff)
         queued = _queued(c, cfg)
-        return Scored(c.key, prefill + queued - ahead, hit, eff, prefill, queued, ahead)
+        pressure = cfg.pressure_weight * c.recent_new_tokens
+        cost = prefill + queued - ahead + pressure
+        return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure)
 
 
 class PrefixGroupBlindPolicy(_CostPolicy):

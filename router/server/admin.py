@@ -204,6 +204,7 @@ def admin_router(
                 {
                     "in_flight": c.in_flight,
                     "pending_prefill_tokens": c.pending_prefill_tokens,
+                    "recent_new_tokens": round(c.recent_new_tokens),
                     "running": c.running,
                     "waiting": c.waiting,
                     "kv_usage": c.kv_usage,

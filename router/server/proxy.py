@@ -402,6 +402,7 @@ class Proxy:
         pending = max(0, choice.num_tokens - choice.decision.chosen.hit_tokens)
         rep.in_flight[rank] = rep.in_flight.get(rank, 0) + 1
         rep.pending_prefill[rank] = rep.pending_prefill.get(rank, 0) + pending
+        choice.pool.wrote(rep, rank, pending)
         gauge = self._m.in_flight.labels(choice.pool.name, key[0])
         gauge.inc()
         first = True

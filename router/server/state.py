@@ -28,6 +28,7 @@ from router.core.health import ReplicaHealth
 from router.core.index import KVIndex, ReplicaKey
 from router.core.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
 from router.core.predict import Prediction, Predictor, body_request_keys
+from router.core.pressure import DecayingSum
 from router.core.snapshot import SNAPSHOT_VERSION, IndexSnapshot, PoolSnapshot
 from router.core.speculative import SpeculativeOverlay
 from router.core.tokenize import RequestTokenizer, make_tokenizer
@@ -57,6 +58,9 @@ class ReplicaState:
     drained: bool = False
     in_flight: dict[int, int] = field(default_factory=dict)
     pending_prefill: dict[int, int] = field(default_factory=dict)
+    written: dict[int, DecayingSum] = field(default_factory=dict)
+    """New (uncached) prompt tokens the router sent lately, per rank: cache pressure
+    (router.core.pressure)."""
     running: dict[int, float] = field(default_factory=dict)
     waiting: dict[int, float] = field(default_factory=dict)
     """As the last ``/metrics`` scrape read them (per engine; -1: unlabelled)."""
@@ -93,6 +97,7 @@ class ReplicaState:
             "drained": self.drained,
             "in_flight": sum(self.in_flight.values()),
             "pending_prefill_tokens": sum(self.pending_prefill.values()),
+            "recent_new_tokens": round(sum(w.value(now) for w in self.written.values())),
             "running": self.running or None,
             "waiting": self.waiting or None,
             "others_running": self.others_running or None,
@@ -349,7 +354,8 @@ class PoolState:
     ) -> list[Candidate]:
         hits = {h.replica: h for h in prediction.replicas} if prediction is not None else {}
         out = []
-        reps, panic = self.rotation(time.monotonic())
+        now = time.monotonic()
+        reps, panic = self.rotation(now)
         if panic:  # one at a time, in panic order (rotation)
             reps = [r for r in reps if any((r.name, k) not in exclude for k in r.ranks)][:1]
         for rep in reps:
@@ -371,12 +377,22 @@ class PoolState:
                         trusted=h.trusted if h is not None else False,
                         in_flight=mine,
                         pending_prefill_tokens=rep.pending_prefill.get(r, 0),
+                        recent_new_tokens=w.value(now) if (w := rep.written.get(r)) else 0.0,
                         running=None if others is None else mine + others,
                         waiting=_get(rep.others_waiting, r),
                         kv_usage=_get(rep.kv_usage, r, avg=True),
                     )
                 )
         return out
+
+    def wrote(self, rep: ReplicaState, rank: int, new_tokens: int) -> None:
+        """A request with ``new_tokens`` uncached prompt tokens was sent to ``rep``: they
+        will take cache blocks there (cache pressure, router.core.pressure)."""
+        if new_tokens > 0:
+            w = rep.written.get(rank)
+            if w is None:
+                w = rep.written[rank] = DecayingSum(self.cfg.policy.pressure_half_life_s)
+            w.add(new_tokens, time.monotonic())
 
     def predict(
         self,
@@ -421,15 +437,16 @@ class PoolState:
                     )
                 except Exception:  # speculation is an optimisation: never fail a request
                     log.exception("speculative prediction failed; routing on events only")
-            basis = spec if spec is not None else pred
+            routed_on = spec if spec is not None and self.cfg.policy.speculative_routing else None
+            basis = routed_on if routed_on is not None else pred
             decision = self.policy.choose(
                 len(token_ids), self.candidates(basis, exclude), commit=not explain
             )
             if overlay is not None and not explain:
                 chosen = decision.chosen.key
-                hit = None
+                hit = None  # the admission-time hit there: where its junction will be
                 with contextlib.suppress(KeyError):
-                    hit = basis.hit(chosen).result
+                    hit = (spec if spec is not None else pred).hit(chosen).result
                 try:
                     insertion = overlay.record(chosen, token_ids, keys, hit)
                 except Exception:

@@ -1,0 +1,49 @@
+"""Cache pressure: how many new tokens the router wrote into each replica's cache lately.
+
+Every uncached prompt token a replica computes takes a block that, once the cache is full,
+evicts an older one (vLLM frees least recently used blocks first). A replica that was sent
+more new tokens lately has been evicting faster, so a prefix placed there now is more likely to
+be gone before it is reused. On two real vLLM replicas (bench/real_vllm/load.py, issue 17) the
+kv policy hit the right replica for every first turn of a conversation and still got 0 where
+vllm-router's ``cache_aware`` got 640 tokens: its shared system prompt had been evicted on a
+replica that received 31 k new tokens against 24 k on the other, because new prefix families
+and one-offs were placed by the momentary queue alone.
+
+:class:`DecayingSum` is the measure: new tokens added at routing time, decaying exponentially
+with a half-life, so it reads "tokens written in about the last half-life" without keeping a
+window of samples. Pure: the clock is passed in.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["DecayingSum"]
+
+
+class DecayingSum:
+    """A sum whose terms halve every ``half_life_s`` seconds."""
+
+    __slots__ = ("_at", "_rate", "_value")
+
+    def __init__(self, half_life_s: float) -> None:
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0, got {half_life_s!r}")
+        self._rate = math.log(2) / half_life_s
+        self._value = 0.0
+        self._at = 0.0
+
+    def _decay(self, now: float) -> None:
+        dt = now - self._at
+        if dt > 0:
+            self._value *= math.exp(-self._rate * dt)
+            self._at = now
+
+    def add(self, amount: float, now: float) -> None:
+        self._decay(now)
+        self._value += amount
+
+    def value(self, now: float) -> float:
+        """The sum at ``now`` (a clock that went backwards reads the last value)."""
+        self._decay(now)
+        return self._value
