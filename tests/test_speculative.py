@@ -164,7 +164,7 @@ def test_discard_forget_and_refresh_by_a_later_request() -> None:
     assert ov.record(("b", 0), PROMPT, None, None) is None  # untrusted: never speculate
 
 
-def make_pool(speculative: bool) -> PoolState:
+def make_pool(speculative: bool, routing: bool = True) -> PoolState:
     toml = f"""
 [server]
 metrics_scrape_interval_s = 0
@@ -176,6 +176,7 @@ groups = [{{kind = "full_attention", block_size = 16}},
 [pools.policy]
 seed = 3
 speculative_insert = {"true" if speculative else "false"}
+speculative_routing = {"true" if routing else "false"}
 """
     for name in ("a", "b", "c"):
         toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
@@ -225,3 +226,16 @@ def test_explain_does_not_insert() -> None:
     pool = make_pool(True)
     pool.decide(PROMPT, {}, explain=True)
     assert pool.speculative is not None and len(pool.speculative) == 0
+
+
+def test_the_admission_view_can_be_kept_for_reporting_only() -> None:
+    """speculative_routing = false: routed on events alone (the burst spreads as without
+    speculation), but each request still carries its admission-time hit, and the entries
+    of the requests ahead are recorded where they went."""
+    choices = burst(make_pool(True, routing=False))
+    assert len({c.decision.chosen.key for c in choices}) == 3
+    fourth = choices[3]
+    assert fourth.speculative is not None
+    key = fourth.decision.chosen.key
+    assert fourth.prediction.hit(key).hit_tokens == 0
+    assert fourth.speculative.hit(key).hit_tokens == 992  # the first request went there too
