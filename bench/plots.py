@@ -182,7 +182,9 @@ def plot_real_vllm_load(doc: dict[str, Any], out_path: Path) -> list[Path]:
                 ax.scatter([x] * len(vals), vals, color=color, s=14, zorder=3,
                            label=f"seed {seed}" if i == 0 else None)  # fmt: skip
         ax.set_xticks(range(len(policies)))
-        ax.set_xticklabels(policies, rotation=30, ha="right")
+        # a variant's keys one per line, so a long one does not squash the panels
+        ax.set_xticklabels([p.replace(":", "\n").replace(",", "\n") for p in policies],
+                           rotation=30, ha="right", fontsize=8)  # fmt: skip
         ax.set_ylabel(ylabel)
     axes[0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
