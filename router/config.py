@@ -291,7 +291,8 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     routing simulator's earlier sweep had preferred 1.0 (bench/results/REPORT.md, look-ahead
     sweep: 2.0 gained reuse within the seed-to-seed spread at some queueing)."""
     pressure_weight: float = 0.0
-    """Cost per token of cache pressure (``recent_new_tokens``, router.core.policy)."""
+    """Cost per token of cache pressure (``recent_new_tokens``, router.core.pressure, which
+    says why it is off by default: no gain measured on real vLLM at 0.05-0.25)."""
     pressure_half_life_s: float = 30.0
     """How fast cache pressure fades: about the time a replica's cache takes to turn over."""
     lower_tier_weights: dict[str, float] = msgspec.field(

@@ -9,6 +9,12 @@ vllm-router's ``cache_aware`` got 640 tokens: its shared system prompt had been 
 replica that received 31 k new tokens against 24 k on the other, because new prefix families
 and one-offs were placed by the momentary queue alone.
 
+As a cost term (``pressure_weight``, router.core.policy) it did not pay on that benchmark:
+weights 0.05 and 0.1 (3 runs each) moved reuse within the run-to-run spread, 0.25 with a 60 s
+half-life (3 runs) pushed conversations off their replicas (4-15 of ~97 later turns moved) and
+lost reuse. It stays off by default and exported (``recent_new_tokens`` in explain and
+``/admin/replicas``) for fleets whose caches turn over more slowly than this benchmark's.
+
 :class:`DecayingSum` is the measure: new tokens added at routing time, decaying exponentially
 with a half-life, so it reads "tokens written in about the last half-life" without keeping a
 window of samples. Pure: the clock is passed in.
