@@ -286,10 +286,11 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookahead_weight: float = 2.0
     """Credit per token of the full-attention prefix a replica holds (future reuse). On two
     real vLLM replicas under concurrent load (bench/real_vllm/load.py, 3 seeds, issue 17) 2.0
-    against 1.0 kept every conversation on its replica (0-5 of ~97 later turns moved, against
-    6-10) and raised reuse from 58.3-58.9 % to 60.2-63.5 % with a lower TTFT mean; the
-    routing simulator's earlier sweep had preferred 1.0 (bench/results/REPORT.md, look-ahead
-    sweep: 2.0 gained reuse within the seed-to-seed spread at some queueing)."""
+    against 1.0 moved 0-5 of ~97 later conversation turns off their replica instead of 6-10
+    and raised reuse from 58.3-58.9 % to 60.2-63.5 % (6 runs) with a lower TTFT mean; 3.0
+    (6 runs) averaged 61.7 % at a higher TTFT (mean 170 / p90 425 ms against 131 / 326), and
+    lighter load terms (128/512 at 2.0) 60.5 % at 257 / 638 ms. The routing simulator's
+    earlier sweep had preferred 1.0 (bench/results/REPORT.md, look-ahead sweep)."""
     pressure_weight: float = 0.0
     """Cost per token of cache pressure (``recent_new_tokens``, router.core.pressure, which
     says why it is off by default: no gain measured on real vLLM at 0.05-0.25)."""
