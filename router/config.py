@@ -291,6 +291,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (6 runs) averaged 61.7 % at a higher TTFT (mean 170 / p90 425 ms against 131 / 326), and
     lighter load terms (128/512 at 2.0) 60.5 % at 257 / 638 ms. The routing simulator's
     earlier sweep had preferred 1.0 (bench/results/REPORT.md, look-ahead sweep)."""
+    load_band_tokens: float = 0.0
+    """Queued work within this many tokens of the least queued candidate counts as equal
+    (router.core.policy, load band); 0: every token counts."""
     pressure_weight: float = 0.0
     """Cost per token of cache pressure (``recent_new_tokens``, router.core.pressure, which
     says why it is off by default: no gain measured on real vLLM at 0.05-0.25)."""
@@ -332,7 +335,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.pressure_half_life_s <= 0:
             raise ValueError("pressure_half_life_s must be > 0")
         for f in ("per_request_tokens", "waiting_request_tokens", "lookahead_weight",
-                  "pressure_weight"):  # fmt: skip
+                  "pressure_weight", "load_band_tokens"):  # fmt: skip
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0")
         if self.temperature < 0:

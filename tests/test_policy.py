@@ -205,3 +205,46 @@ def test_explaining_does_not_move_the_policy() -> None:
     kv = KVCostPolicy(rng=random.Random(5))
     for _ in range(20):  # all tied: the pick comes from the RNG
         assert kv.choose(N, cands, commit=False).chosen.key == kv.choose(N, cands).chosen.key
+
+
+def test_the_load_band_lets_a_cached_prefix_outweigh_a_small_queue_gap() -> None:
+    # n = 1000; a holds 600 (look-ahead 2) behind 2,500 queued tokens, b holds nothing behind 500
+    a = Candidate(("a", 0), hit_tokens=600, fa_prefix_tokens=600, pending_prefill_tokens=2500)
+    b = Candidate(("b", 0), pending_prefill_tokens=500)
+    plain = KVCostPolicy(PolicyConfig(lookahead_weight=2.0)).choose(1000, [a, b])
+    assert plain.chosen.key == ("b", 0)  # 1000-600+2500-1200 = 1700 > 1000+500
+    banded = KVCostPolicy(PolicyConfig(lookahead_weight=2.0, load_band_tokens=1024))
+    d = banded.choose(1000, [a, b])
+    assert d.chosen.key == ("a", 0)
+    assert d.chosen.queued == 500 + (2000 - 1024) and d.chosen.cost == 400 + 1476 - 1200
+    # comparison policies ignore the kv knob
+    cfg = PolicyConfig(load_band_tokens=1e9)
+    assert LeastLoadPolicy(cfg).choose(1000, [a, b]).chosen.key == ("b", 0)
+
+
+@given(unique_candidates, st.floats(0, 5000))
+def test_the_load_band_never_reorders_equal_hits_by_less_load(
+    cands: list[Candidate], band: float
+) -> None:
+    """Within the band costs only move closer together: a candidate never overtakes one
+    with the same hits, trust and look-ahead but less queued work."""
+    d = KVCostPolicy(PolicyConfig(load_band_tokens=band)).choose(N, cands, commit=False)
+    by_key = {c.key: c for c in cands}
+    costs = {s.key: s.cost for s in d.ranked}
+    for x in cands:
+        for y in cands:
+            same = (x.hit_tokens, x.fa_prefix_tokens, x.trusted, dict(x.tier_hits)) == (
+                y.hit_tokens,
+                y.fa_prefix_tokens,
+                y.trusted,
+                dict(y.tier_hits),
+            )
+            if (
+                same
+                and x.pending_prefill_tokens <= y.pending_prefill_tokens
+                and all(
+                    getattr(x, f) == getattr(y, f)
+                    for f in ("in_flight", "running", "waiting", "kv_usage", "recent_new_tokens")
+                )
+            ):
+                assert costs[x.key] <= costs[y.key], (by_key[x.key], by_key[y.key])

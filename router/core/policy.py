@@ -47,6 +47,12 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   cache turns over slowest, so prefixes live longer on both replicas; a request with a
   real hit stays on its replica unless the pressure gap outweighs hit and look-ahead.
 
+* **Load band.** With ``load_band_tokens = b > 0`` a candidate's ``queued`` counts only
+  beyond ``b`` tokens more than the least queued candidate's: small, fleeting differences in
+  queued work (a burst's in-flight counts change every few milliseconds, and vLLM batches the
+  requests it runs) stop deciding against a cached prefix, as vLLM router's ``cache_aware``
+  ignores load below its imbalance thresholds.
+
 Candidates whose cost is within ``tie_tokens`` of the best are tied and one is picked with the
 injected RNG; with ``temperature > 0`` the choice is sampled from ``softmax(-cost / T)``. The
 decision ranks every candidate: the proxy fails over in that order.
@@ -58,6 +64,7 @@ ahead).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -179,6 +186,8 @@ class _CostPolicy:
 
     name = "kv"
     needs_blind = False
+    banded = False
+    """Whether ``load_band_tokens`` applies (the kv policy's knob, not the comparisons')."""
 
     def __init__(self, cfg: PolicyConfig | None = None, rng: random.Random | None = None) -> None:
         self.cfg = cfg or PolicyConfig()
@@ -186,6 +195,19 @@ class _CostPolicy:
 
     def score(self, num_tokens: int, c: Candidate) -> Scored:
         raise NotImplementedError
+
+    def _banded(self, scored: list[Scored]) -> list[Scored]:
+        """``load_band_tokens``: queued work within the band of the least queued candidate
+        counts as equal (module docstring, load band)."""
+        band = self.cfg.load_band_tokens if self.banded else 0.0
+        if band <= 0 or len(scored) < 2:
+            return scored
+        floor = min(s.queued for s in scored)
+        out = []
+        for s in scored:
+            q = floor + max(0.0, s.queued - floor - band)
+            out.append(dataclasses.replace(s, cost=s.cost - s.queued + q, queued=q))
+        return out
 
     def choose(
         self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
@@ -197,7 +219,8 @@ class _CostPolicy:
             rng = random.Random()
             rng.setstate(self.rng.getstate())
         scored = sorted(
-            (self.score(num_tokens, c) for c in candidates), key=lambda s: (s.cost, s.key)
+            self._banded([self.score(num_tokens, c) for c in candidates]),
+            key=lambda s: (s.cost, s.key),
         )
         best = scored[0].cost
         tie = self.cfg.tie_tokens
@@ -221,6 +244,7 @@ class KVCostPolicy(_CostPolicy):
     """The exact-hybrid-hit cost model with look-ahead (module docstring)."""
 
     name = "kv"
+    banded = True
 
     def score(self, num_tokens: int, c: Candidate) -> Scored:
         cfg = self.cfg
