@@ -102,6 +102,6 @@ def test_expected_hit_counts_the_requests_routed_ahead(cluster: SimCluster) -> N
     # cache pressure: the uncached tokens sent there, by the hit each was routed with (the
     # third's expected hit with speculation, 0 without), decaying over a 30 s half-life
     sent = sum(r["prompt"] - r["routed_hit"] for r in results)
-    assert 0.8 * sent < row["load"]["recent_new_tokens"] <= sent
+    assert 0.5 * sent < row["load"]["recent_new_tokens"] <= sent  # < 30 s of decay
     # the same prompt again: its own checkpoint now, and no speculation left to add
     assert row["hit_tokens"] == row["expected_hit_tokens"] > third["cached"]
