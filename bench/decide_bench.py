@@ -33,6 +33,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,11 @@ from router.server.state import PoolState, RouterState  # noqa: E402
 SYSTEMS = 8
 
 
-def make_pool(replicas: int, speculative: bool) -> PoolState:
+def make_pool(
+    names: Sequence[str], *, speculative: bool, routing: bool = True, seed: int = 1
+) -> PoolState:
+    """The router's own pool (fa + swa 128, 16-token blocks) over replicas with no event
+    stream, each reset to known-empty and so trusted (tests/test_speculative.py uses it too)."""
     toml = f"""
 [server]
 metrics_scrape_interval_s = 0
@@ -55,11 +60,12 @@ model = "m"
 groups = [{{kind = "full_attention", block_size = 16}},
           {{kind = "sliding_window", block_size = 16, sliding_window = 128}}]
 [pools.policy]
-seed = 1
+seed = {seed}
 speculative_insert = {"true" if speculative else "false"}
+speculative_routing = {"true" if routing else "false"}
 """
-    for i in range(replicas):
-        toml += f'[[pools.replicas]]\nname = "r{i}"\nurl = "http://127.0.0.1:9"\n'
+    for name in names:
+        toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
     config = parse_config(toml)
     pool = PoolState(config.pools[0], RouterState(config))
 
@@ -68,8 +74,8 @@ speculative_insert = {"true" if speculative else "false"}
             await pool.add_replica(rcfg)
 
     asyncio.run(add())
-    for i in range(replicas):
-        pool.index.reset_replica((f"r{i}", 0))  # no event stream here: known empty, trusted
+    for name in names:
+        pool.index.reset_replica((name, 0))  # no event stream here: known empty, trusted
     return pool
 
 
@@ -94,7 +100,7 @@ def store(pool: PoolState, systems: list[list[int]]) -> None:
 def run(replicas: int, mode: str, n: int, tokens: int, in_flight: int) -> list[float]:
     rng = random.Random(replicas)
     systems = [[rng.randrange(7, 2048) for _ in range(1000)] for _ in range(SYSTEMS)]
-    pool = make_pool(replicas, mode != "off")
+    pool = make_pool([f"r{i}" for i in range(replicas)], speculative=mode != "off")
     store(pool, systems)
     prompts = [
         systems[rng.randrange(SYSTEMS)] + [rng.randrange(7, 2048) for _ in range(tokens - 1000)]

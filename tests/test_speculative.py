@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 from typing import Any
 
+from bench.decide_bench import make_pool as bench_pool
 from events.layout import GroupKind, GroupSpec, ModelLayout, resolve
 from events.schema import BlockRemoved, BlockStored
-from router.config import parse_config
 from router.core.hybrid import HitResult
 from router.core.index import KVIndex
 from router.core.predict import Predictor
 from router.core.speculative import SpeculativeOverlay, speculative_blocks
-from router.server.state import PoolState, RouterState
+from router.server.state import PoolState
 
 FA_SWA = ModelLayout(
     groups=(
@@ -165,33 +164,7 @@ def test_discard_forget_and_refresh_by_a_later_request() -> None:
 
 
 def make_pool(speculative: bool, routing: bool = True) -> PoolState:
-    toml = f"""
-[server]
-metrics_scrape_interval_s = 0
-[[pools]]
-model = "m"
-[pools.layout]
-groups = [{{kind = "full_attention", block_size = 16}},
-          {{kind = "sliding_window", block_size = 16, sliding_window = 128}}]
-[pools.policy]
-seed = 3
-speculative_insert = {"true" if speculative else "false"}
-speculative_routing = {"true" if routing else "false"}
-"""
-    for name in ("a", "b", "c"):
-        toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
-    config = parse_config(toml)
-    state = RouterState(config)
-    pool = PoolState(config.pools[0], state)
-
-    async def add() -> None:
-        for rcfg in config.pools[0].replicas:
-            await pool.add_replica(rcfg)
-
-    asyncio.run(add())
-    for name in ("a", "b", "c"):
-        pool.index.reset_replica((name, 0))  # no event stream here: known empty, trusted
-    return pool
+    return bench_pool(("a", "b", "c"), speculative=speculative, routing=routing, seed=3)
 
 
 def burst(pool: PoolState, n: int = 4) -> list[Any]:

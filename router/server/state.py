@@ -437,8 +437,7 @@ class PoolState:
                     )
                 except Exception:  # speculation is an optimisation: never fail a request
                     log.exception("speculative prediction failed; routing on events only")
-            routed_on = spec if spec is not None and self.cfg.policy.speculative_routing else None
-            basis = routed_on if routed_on is not None else pred
+            basis = spec if spec is not None and self.cfg.policy.speculative_routing else pred
             decision = self.policy.choose(
                 len(token_ids), self.candidates(basis, exclude), commit=not explain
             )
