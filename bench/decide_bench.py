@@ -1,7 +1,8 @@
-"""What the admission-time view costs per routing decision (issue 17): ``PoolState.decide``
-with the speculative overlay off, on with nothing in flight, and on with requests in flight
-that share the request's system prompt (then every decision runs a second prediction over
-index + overlay, and records its own entries).
+"""What the admission-time view and prefix homes cost per routing decision (issue 17):
+``PoolState.decide`` without prefix homes (``affinity_weight = 0``, speculation off), with the
+defaults (prefix homes on, the speculative overlay off), with the overlay on and nothing in
+flight, and on with requests in flight that share the request's system prompt (then every
+decision runs a second prediction over index + overlay, and records its own entries).
 
 The pool is the router's own (``router.server.state.PoolState``, no HTTP, no subscribers),
 hybrid full attention + sliding window 128 with 16-token blocks (``config/layouts/fa_swa``'s
@@ -19,7 +20,8 @@ same run) and writes ``bench/results/decide_bench.json``.
 Where the cost goes: with the overlay on, every decision hashes its prompt's every block to
 record what it will cache (the events-only prediction stops hashing at the first block no
 replica holds), so "on, idle" already costs the full chain's hashes; "in flight" adds the
-second prediction over index + overlay.
+second prediction over index + overlay. Prefix homes (router.core.affinity) hash the prompt
+once more in 64-token chunks, to look up and to record its homes.
 """
 
 from __future__ import annotations
@@ -47,10 +49,16 @@ SYSTEMS = 8
 
 
 def make_pool(
-    names: Sequence[str], *, speculative: bool, routing: bool = True, seed: int = 1
+    names: Sequence[str],
+    *,
+    speculative: bool,
+    routing: bool = True,
+    seed: int = 1,
+    affinity_weight: float | None = None,
 ) -> PoolState:
     """The router's own pool (fa + swa 128, 16-token blocks) over replicas with no event
-    stream, each reset to known-empty and so trusted (tests/test_speculative.py uses it too)."""
+    stream, each reset to known-empty and so trusted (tests/test_speculative.py uses it too).
+    ``affinity_weight`` None keeps the policy's default (prefix homes on)."""
     toml = f"""
 [server]
 metrics_scrape_interval_s = 0
@@ -64,6 +72,8 @@ seed = {seed}
 speculative_insert = {"true" if speculative else "false"}
 speculative_routing = {"true" if routing else "false"}
 """
+    if affinity_weight is not None:
+        toml += f"affinity_weight = {affinity_weight}\n"
     for name in names:
         toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
     config = parse_config(toml)
@@ -100,7 +110,11 @@ def store(pool: PoolState, systems: list[list[int]]) -> None:
 def run(replicas: int, mode: str, n: int, tokens: int, in_flight: int) -> list[float]:
     rng = random.Random(replicas)
     systems = [[rng.randrange(7, 2048) for _ in range(1000)] for _ in range(SYSTEMS)]
-    pool = make_pool([f"r{i}" for i in range(replicas)], speculative=mode != "off")
+    pool = make_pool(
+        [f"r{i}" for i in range(replicas)],
+        speculative=mode not in ("off", "no affinity"),
+        affinity_weight=0.0 if mode == "no affinity" else None,
+    )
     store(pool, systems)
     prompts = [
         systems[rng.randrange(SYSTEMS)] + [rng.randrange(7, 2048) for _ in range(tokens - 1000)]
@@ -131,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/decide_bench.json")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)  # "no event endpoint configured" per replica: known here
-    modes = ["off", "on, idle", f"on, {args.in_flight} in flight"]
+    modes = ["no affinity", "off", "on, idle", f"on, {args.in_flight} in flight"]
     rows = []
     for r in args.replicas:
         cells = {}
@@ -147,14 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"replicas": r, **cells})
     print(f"\ndecide() per request, {args.tokens}-token prompts, fa+swa 16-token blocks, "
           f"{args.n} decisions per cell (medians; p90 in brackets)")  # fmt: skip
-    print(f"{'replicas':>8} " + " ".join(f"{m:>24}" for m in modes) + "   on/off (in flight)")
+    print(f"{'replicas':>8} " + " ".join(f"{m:>24}" for m in modes)
+          + "   on/off (in flight)   affinity")  # fmt: skip
     for row in rows:
         cells = " ".join(
             f"{row[m]['p50_us']:>12.1f} [{row[m]['p90_us']:>8.1f}] us"[-24:].rjust(24)
             for m in modes
         )
-        ratio = row[modes[2]]["p50_us"] / row["off"]["p50_us"]
-        print(f"{row['replicas']:>8} {cells}   {ratio:.2f}x")
+        ratio = row[modes[3]]["p50_us"] / row["off"]["p50_us"]
+        homes = row["off"]["p50_us"] / row["no affinity"]["p50_us"]
+        print(f"{row['replicas']:>8} {cells}   {ratio:.2f}x{'':17}{homes:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "machine": platform.machine()}
     args.out.write_text(json.dumps({"meta": meta, "args": vars(args) | {"out": str(args.out)},

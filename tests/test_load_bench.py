@@ -253,3 +253,37 @@ def test_replica_metrics_are_parsed_per_replica_and_handler() -> None:
         "/v1/chat/completions 2xx": 24,
         "/v1/completions/render 2xx": 6,
     }
+
+
+def test_losses_split_each_kind_by_its_own_limit() -> None:
+    from bench.real_vllm.load_losses import losses_table, run_losses
+
+    cfg = PlanConfig(requests=40)
+    plan = make_plan(4, cfg)
+    convs = [s for s in plan.sessions if s.kind == "conversation"]
+    a, b = convs[0], next(s for s in convs[1:] if s.system == convs[0].system)
+    other = next(s for s in plan.sessions if s.kind == "one_off")
+
+    def rec(s, turn, t, replica, prompt, cached):
+        return {"sid": s.sid, "turn": turn, "kind": s.kind, "send_s": t, "replica": replica,
+                "prompt_tokens": prompt, "cached_tokens": cached, "error": None}  # fmt: skip
+
+    records = [
+        rec(a, 0, 0.0, "A", 500, 0),  # the family's first request on A: new there
+        rec(b, 0, 0.1, "A", 520, 0),  # seen there (the window checkpoint rule, or evicted)
+        rec(b, 1, 0.5, "A", 700, 512),  # bound (520 - 1) // 32 * 32 = 512: at it
+        rec(b, 2, 0.9, "B", 900, 0),  # bound 672: moved, 672 lost
+        rec(a, 1, 1.0, "A", 600, 448),  # bound 480: stayed, 32 lost
+        rec(other, 0, 1.1, "B", 1500, 0),
+        {**rec(a, 2, 1.2, "A", 800, 0), "error": "timeout"},  # not counted
+    ]
+    got = run_losses({"seed": 4, "records": records}, cfg)
+    assert got["first_n"] == 2 and got["first_miss_new"] == 1 and got["first_miss_seen"] == 1
+    assert got["later_n"] == 3 and got["later_bound"] == 512 + 672 + 480
+    assert got["later_cached"] == 960 and got["later_lost"] == 672 + 32
+    assert got["later_short_moved"] == 1 and got["later_short_stayed"] == 1
+    assert got["one_off_prompt"] == 1500
+    doc = {"config": {"requests": 40}, "runs": [{"policy": "kv", "seed": 4, "records": records}]}
+    row = losses_table(doc, ["kv"]).splitlines()[2]
+    # 960 / 1664 of the bound; one-offs 1500 of 1020 + 2200 + 1500 prompt tokens
+    assert row == "| kv | 1 | 0.0 % | 1.0 / 1.0 | 57.7 % | 1.0 / 1.0 | 704 | 31.8 % |"

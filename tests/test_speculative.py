@@ -164,7 +164,11 @@ def test_discard_forget_and_refresh_by_a_later_request() -> None:
 
 
 def make_pool(speculative: bool, routing: bool = True) -> PoolState:
-    return bench_pool(("a", "b", "c"), speculative=speculative, routing=routing, seed=3)
+    # prefix homes off: these tests isolate the overlay (a burst spreads without it);
+    # tests/test_affinity_routing.py covers homes
+    return bench_pool(
+        ("a", "b", "c"), speculative=speculative, routing=routing, seed=3, affinity_weight=0.0
+    )
 
 
 def burst(pool: PoolState, n: int = 4) -> list[Any]:

@@ -13,6 +13,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from bench.real_vllm.load_losses import losses_table
+
 POLICY_ORDER = ("kv", "prefix_group_blind", "cache_aware", "least_load", "round_robin")
 
 
@@ -247,6 +249,8 @@ def report(doc: dict[str, Any]) -> str:
             markdown_table(runs),
             "\n## Paired (same seed and repeat)\n",
             paired_table(runs),
+            "\n## Where reuse is lost (bench/real_vllm/load_losses.py)\n",
+            losses_table(doc, _order({r["policy"] for r in runs})),
             "\n## Every run\n",
             run_lines(runs),
             "",

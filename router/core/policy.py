@@ -10,7 +10,8 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
                     + kv_pressure_tokens · max(0, kv_usage - threshold) / (1 - threshold)
     look_ahead    = lookahead_weight · fa_prefix_tokens
     pressure      = pressure_weight · recent_new_tokens
-    cost          = prefill + queued - look_ahead + pressure
+    affinity      = affinity_weight · home_tokens
+    cost          = prefill + queued - look_ahead + pressure - affinity
 
 * ``gpu_hit`` is the exact hybrid hit vLLM will report (router.core.predict); an untrusted replica
   has ``gpu_hit = tier hits = fa_prefix = 0``: never a guess (ARCHITECTURE decision 3).
@@ -46,6 +47,16 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   how fast it has been evicting. It places a new prefix family or a one-off where the
   cache turns over slowest, so prefixes live longer on both replicas; a request with a
   real hit stays on its replica unless the pressure gap outweighs hit and look-ahead.
+
+* **Affinity.** ``home_tokens`` are the request's leading tokens whose prefix the router first
+  sent to this replica (router.core.affinity): a routing fact, not a cache claim. When a
+  prefix is cached on several replicas their hits and look-ahead tie and the queue would
+  decide, splitting a family of conversations over every replica; the credit keeps it on its
+  home unless the queue there outweighs it too. It also holds where no event exists yet (the
+  family's first request still in flight). With ``affinity_weight = 2`` a new conversation
+  over a 600-token system prompt cached on both replicas (hits and look-ahead tie) leaves the
+  prompt's home only for a queue gap above ``2·576`` tokens (nine whole 64-token chunks).
+  Measured in ``PolicyConfig.affinity_weight``'s docstring.
 
 * **Load band.** With ``load_band_tokens = b > 0`` a candidate's ``queued`` counts only
   beyond ``b`` tokens more than the least queued candidate's: small, fleeting differences in
@@ -109,6 +120,8 @@ class Candidate:
     pending_prefill_tokens: int = 0
     recent_new_tokens: float = 0.0
     """Cache pressure: uncached tokens sent lately (router.core.pressure)."""
+    home_tokens: int = 0
+    """Leading prompt tokens whose prefix the router first sent here (router.core.affinity)."""
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
@@ -126,6 +139,7 @@ class Scored:
     queued: float
     look_ahead: float
     pressure: float = 0.0
+    affinity: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -138,6 +152,7 @@ class Scored:
             "queued": self.queued,
             "look_ahead": self.look_ahead,
             "pressure": self.pressure,
+            "affinity": self.affinity,
         }
 
 
@@ -255,13 +270,14 @@ class KVCostPolicy(_CostPolicy):
                 if th > hit:
                     eff += cfg.lower_tier_weights.get(tier, 0.0) * (th - hit)
             ahead = cfg.lookahead_weight * max(c.fa_prefix_tokens, hit)
+            affinity = cfg.affinity_weight * c.home_tokens
         else:
-            hit, eff, ahead = 0, 0.0, 0.0
+            hit, eff, ahead, affinity = 0, 0.0, 0.0, 0.0
         prefill = max(0.0, num_tokens - eff)
         queued = _queued(c, cfg)
         pressure = cfg.pressure_weight * c.recent_new_tokens
-        cost = prefill + queued - ahead + pressure
-        return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure)
+        cost = prefill + queued - ahead + pressure - affinity
+        return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure, affinity)
 
 
 class PrefixGroupBlindPolicy(_CostPolicy):

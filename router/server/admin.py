@@ -253,6 +253,7 @@ def admin_router(
             "speculative_entries": (
                 len(pool.speculative) if pool.speculative is not None else None
             ),
+            "prefix_home_chunks": len(pool.homes) if pool.homes is not None else None,
             "panic": panic,
             "replicas": rows,
             "excluded": excluded,

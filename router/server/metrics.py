@@ -64,6 +64,12 @@ class _StateCollector(Collector):
             "Bound on the chain steps the block-hash memo holds",
             labels=["pool"],
         )
+        homes = GaugeMetricFamily(
+            "kvrouter_prefix_home_chunks",
+            "Prompt chunks whose first routing the pool remembers (router.core.affinity; bounded"
+            " by policy.affinity_capacity), by home replica",
+            labels=["pool", "replica", "dp_rank"],
+        )
         rank = ["pool", "replica", "dp_rank"]
         events = CounterMetricFamily(
             "kvrouter_events", "KV events received, by type", labels=[*rank, "type"]
@@ -111,6 +117,8 @@ class _StateCollector(Collector):
                     family.add_metric([name, h["replica"]], float(h[key]))
             entries.add_metric([name], pool["entries"])
             nbytes.add_metric([name], pool["bytes"])
+            for (rname, rk), n in (pool.get("prefix_homes") or {}).items():
+                homes.add_metric([name, rname, str(rk)], n)
             memo = pool.get("hash_memo")
             if memo is not None:
                 memo_steps.add_metric([name], memo["steps"])
@@ -144,7 +152,8 @@ class _StateCollector(Collector):
                     lag.add_metric(rep, st.lag_s)
                 for kind in ("gaps", "replays", "unrecoverable_gaps", "resets", "malformed"):
                     gaps.add_metric([*rep, kind], getattr(st, kind))
-        yield from (entries, nbytes, memo_steps, memo_capacity, events, outcomes, lag, gaps)
+        yield from (entries, nbytes, memo_steps, memo_capacity, homes)
+        yield from (events, outcomes, lag, gaps)
         yield from (trusted, trust_state, ingest)
         yield from (family for _, family in health)
 

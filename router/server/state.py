@@ -24,6 +24,7 @@ import httpx
 from events.stream import StreamSpec, StreamStats
 from events.subscriber import AsyncSubscriber, SubscriberError
 from router.config import PoolConfig, ReplicaConfig, RouterConfig
+from router.core.affinity import PrefixHomes
 from router.core.health import ReplicaHealth
 from router.core.index import KVIndex, ReplicaKey
 from router.core.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
@@ -149,6 +150,9 @@ class PoolState:
                 cfg.policy.speculative_ttl_s,
                 hold_s=cfg.policy.speculative_hold_s,
             )
+        self.homes: PrefixHomes | None = None
+        if cfg.policy.affinity_weight > 0 and cfg.policy.name == "kv":
+            self.homes = PrefixHomes(cfg.policy.affinity_chunk_tokens, cfg.policy.affinity_capacity)
         self.policy: Policy = make_policy(cfg.policy)
         self.fallback = LeastLoadPolicy(cfg.policy)
         self.replicas: dict[str, ReplicaState] = {}
@@ -191,6 +195,8 @@ class PoolState:
             key = (rep.name, r)
             if self.speculative is not None:
                 self.speculative.forget_replica(key)
+            if self.homes is not None:
+                self.homes.forget_replica(key)
             if rep.streams:
                 self.index.seen_down(key, detail)
 
@@ -309,6 +315,8 @@ class PoolState:
         for r in rep.ranks:
             if self.speculative is not None:
                 self.speculative.forget_replica((name, r))
+            if self.homes is not None:
+                self.homes.forget_replica((name, r))
             self.index.reset_replica((name, r))
         await self._open_streams(rep, None)
 
@@ -319,9 +327,11 @@ class PoolState:
                 await rep.subscriber.close()
             except SubscriberError:  # its reader had died; the rest must still be released
                 log.exception("event subscriber of replica %r had failed", name)
-        if self.speculative is not None:
-            for r in rep.ranks:
+        for r in rep.ranks:
+            if self.speculative is not None:
                 self.speculative.forget_replica((name, r))
+            if self.homes is not None:
+                self.homes.forget_replica((name, r))
         self.index.remove_replica(name)
         await rep.client.aclose()
         await rep.upstream.aclose()
@@ -350,9 +360,13 @@ class PoolState:
     # --------------------------------------------------------------- routing
 
     def candidates(
-        self, prediction: Prediction | None, exclude: set[ReplicaKey]
+        self,
+        prediction: Prediction | None,
+        exclude: set[ReplicaKey],
+        homed: dict[ReplicaKey, int] | None = None,
     ) -> list[Candidate]:
         hits = {h.replica: h for h in prediction.replicas} if prediction is not None else {}
+        homed = homed or {}
         out = []
         now = time.monotonic()
         reps, panic = self.rotation(now)
@@ -378,6 +392,7 @@ class PoolState:
                         in_flight=mine,
                         pending_prefill_tokens=rep.pending_prefill.get(r, 0),
                         recent_new_tokens=w.value(now) if (w := rep.written.get(r)) else 0.0,
+                        home_tokens=homed.get(key, 0),
                         running=None if others is None else mine + others,
                         waiting=_get(rep.others_waiting, r),
                         kv_usage=_get(rep.kv_usage, r, avg=True),
@@ -438,9 +453,14 @@ class PoolState:
                 except Exception:  # speculation is an optimisation: never fail a request
                     log.exception("speculative prediction failed; routing on events only")
             basis = spec if spec is not None and self.cfg.policy.speculative_routing else pred
+            homes = self.homes
+            home_keys = homes.keys(token_ids) if homes is not None else []
+            homed = homes.homed(home_keys) if homes is not None else None
             decision = self.policy.choose(
-                len(token_ids), self.candidates(basis, exclude), commit=not explain
+                len(token_ids), self.candidates(basis, exclude, homed), commit=not explain
             )
+            if homes is not None and not explain:
+                homes.record(home_keys, decision.chosen.key)
             if overlay is not None and not explain:
                 chosen = decision.chosen.key
                 hit = None  # the admission-time hit there: where its junction will be
@@ -514,6 +534,7 @@ class RouterState:
                 "entries": p.index.entries,
                 "bytes": p.index.nbytes(),
                 "hash_memo": (h.memo_stats if (h := p.index.hasher()) is not None else None),
+                "prefix_homes": p.homes.homes_by_replica() if p.homes is not None else None,
                 "replica_stats": p.index.stats(),
                 "stream_stats": p.stream_stats(),
                 "stream_keys": {s: k for r in p.replicas.values() for s, k in r.streams.items()},

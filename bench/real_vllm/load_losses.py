@@ -1,0 +1,108 @@
+"""Where each policy loses reuse on the concurrent benchmark, request by request.
+
+Pure functions over the JSON document ``load.py`` writes (its plan is rebuilt from the seed:
+the records name the session, the plan names its system prompt). The prompt tokens of a run
+split three ways, and each kind has its own limit:
+
+* **one-offs** (novel prompts): never cached, by any policy;
+* **later turns** of a conversation: at most the previous turn's prompt, rounded down to a
+  block (``bound``), since vLLM 0.32's default retention keeps a sliding-window checkpoint at
+  the end of each prompt only (spec §4.7) and none inside the streamed answer. A turn below
+  its bound either *moved* to another replica than its previous turn, or stayed and lost its
+  history there (evicted);
+* **first turns** over a shared system prompt: a miss is either the family's first request on
+  that replica (*new there*: its prefix was never computed there) or a family seen there before.
+  In this layout a conversation diverging right after the system prompt misses even then until
+  one request has stored a window checkpoint at that point (spec §4.7 Example 2): the family's
+  second conversation on a replica misses by rule, later ones miss only if it was evicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from bench.real_vllm.load_plan import PlanConfig, make_plan
+
+BLOCK = 32
+"""The benchmark model's block size (bench/real_vllm/model.py)."""
+
+
+def _plan_config(cfg: dict[str, Any]) -> PlanConfig:
+    names = {f.name for f in dataclasses.fields(PlanConfig)}
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items() if k in names}
+    return PlanConfig(**kw)
+
+
+def run_losses(run: dict[str, Any], plan_cfg: PlanConfig) -> dict[str, Any]:
+    """One run's tokens and misses by kind (module docstring)."""
+    family = {s.sid: s.system for s in make_plan(run["seed"], plan_cfg).sessions}
+    answered = [r for r in run["records"] if r.get("error") is None]
+    ok = [r for r in answered if r.get("cached_tokens") is not None]
+    ok.sort(key=lambda r: r["send_s"])
+    c: Counter[str] = Counter()
+    seen: set[tuple[int | None, str | None]] = set()
+    turns: dict[tuple[int, int], dict[str, Any]] = {(r["sid"], r["turn"]): r for r in ok}
+    for r in ok:
+        prompt, cached = r["prompt_tokens"], r["cached_tokens"]
+        if r["kind"] != "conversation":
+            c["one_off_prompt"] += prompt
+            c["one_off_cached"] += cached
+            continue
+        if r["turn"] == 0:
+            fam = (family.get(r["sid"]), r.get("replica"))
+            c["first_n"] += 1
+            c["first_prompt"] += prompt
+            c["first_cached"] += cached
+            if cached == 0:
+                c["first_miss_seen" if fam in seen else "first_miss_new"] += 1
+            seen.add(fam)
+            continue
+        prev = turns.get((r["sid"], r["turn"] - 1))
+        if prev is None:
+            continue
+        bound = (prev["prompt_tokens"] - 1) // BLOCK * BLOCK
+        c["later_n"] += 1
+        c["later_prompt"] += prompt
+        c["later_cached"] += cached
+        c["later_bound"] += bound
+        if cached < bound:
+            moved = r.get("replica") is not None and r.get("replica") != prev.get("replica")
+            c["later_short_moved" if moved else "later_short_stayed"] += 1
+            c["later_lost"] += bound - cached
+    return dict(c)
+
+
+def losses_table(doc: dict[str, Any], order: Sequence[str]) -> str:
+    """Per policy, summed over its runs: first-turn reuse and misses, later turns against
+    their bound, one-offs. A policy whose answers name no replica (vllm-router) cannot tell
+    a moved turn from one that stayed, nor a family new on a replica."""
+    plan_cfg = _plan_config(doc.get("config") or {})
+    tot: dict[str, Counter[str]] = {}
+    runs_of: Counter[str] = Counter()
+    for run in doc.get("runs") or []:
+        tot.setdefault(run["policy"], Counter()).update(run_losses(run, plan_cfg))
+        runs_of[run["policy"]] += 1
+    lines = [
+        "| policy | runs | first turns: reuse % | first-turn misses per run: new there / "
+        "seen there | later turns: cached / bound | later turns short per run: moved / stayed "
+        "| tokens lost by short later turns per run | one-off share of prompt tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pct(a: int, b: int) -> str:
+        return f"{100 * a / b:.1f} %" if b else "–"
+
+    for policy in [p for p in order if p in tot]:
+        c, n = tot[policy], runs_of[policy]
+        total = c["first_prompt"] + c["later_prompt"] + c["one_off_prompt"]
+        lines.append(
+            f"| {policy} | {n} | {pct(c['first_cached'], c['first_prompt'])} "
+            f"| {c['first_miss_new'] / n:.1f} / {c['first_miss_seen'] / n:.1f} "
+            f"| {pct(c['later_cached'], c['later_bound'])} "
+            f"| {c['later_short_moved'] / n:.1f} / {c['later_short_stayed'] / n:.1f} "
+            f"| {c['later_lost'] / n:.0f} | {pct(c['one_off_prompt'], total)} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""Prefix homes (router.core.affinity) against a reference that keys whole prefixes instead of
+hash chains, and the affinity term of the kv cost model with hand-derived numbers."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.config import PolicyConfig
+from router.core.affinity import PrefixHomes
+from router.core.policy import Candidate, KVCostPolicy
+
+A, B = ("a", 0), ("b", 0)
+
+
+def test_the_first_request_to_carry_a_prefix_gives_it_its_home() -> None:
+    homes = PrefixHomes(chunk_tokens=4)
+    system = list(range(100, 112))  # three chunks
+    # the trailing 2 tokens are no chunk
+    assert homes.record(homes.keys([*system, 1, 2]), A) == 3
+    # a second conversation over the same system prompt, routed elsewhere, keeps the home
+    assert homes.record(homes.keys([*system, 7, 7, 7, 7]), B) == 1
+    assert homes.homed(homes.keys([*system, 9, 9, 9, 9, 9])) == {A: 12}
+    assert homes.homed(homes.keys([*system, 7, 7, 7, 7, 5])) == {A: 12, B: 4}
+    # the walk stops at the first chunk nobody carried, even if a later one matches by chance
+    assert homes.homed(homes.keys([100, 101, 102, 103, 0, 0, 0, 0, *system[8:]])) == {A: 4}
+    assert homes.homed(homes.keys([1, 2, 3])) == {}
+
+
+def test_least_recently_routed_chunks_leave_first() -> None:
+    homes = PrefixHomes(chunk_tokens=2, capacity=4)
+    homes.record(homes.keys([1, 1, 2, 2]), A)  # chunks k1, k12
+    homes.record(homes.keys([3, 3, 4, 4]), B)  # k3, k34
+    homes.record(homes.keys([1, 1]), A)  # refresh k1: k12 is now the oldest
+    homes.record(homes.keys([5, 5]), B)  # over capacity: k12 goes
+    assert len(homes) == 4
+    assert homes.homes_by_replica() == {A: 1, B: 3}
+    assert homes.homed(homes.keys([1, 1, 2, 2])) == {A: 2}
+    assert homes.homed(homes.keys([3, 3, 4, 4])) == {B: 4}
+
+
+def test_forgetting_a_replica_frees_its_prefixes_for_a_new_home() -> None:
+    homes = PrefixHomes(chunk_tokens=2)
+    homes.record(homes.keys([1, 1, 2, 2]), A)
+    homes.record(homes.keys([1, 1, 3, 3]), B)
+    assert homes.homes_by_replica() == {A: 2, B: 1}
+    assert homes.forget_replica(A) == 2
+    assert homes.homed(homes.keys([1, 1, 3, 3])) == {}  # its first chunk was A's
+    homes.record(homes.keys([1, 1, 3, 3]), B)
+    assert homes.homed(homes.keys([1, 1, 3, 3])) == {B: 4}
+
+
+@pytest.mark.parametrize(("chunk", "capacity"), [(0, 10), (4, 0)])
+def test_bad_sizes_are_refused(chunk: int, capacity: int) -> None:
+    with pytest.raises(ValueError, match="chunk_tokens >= 1 and capacity >= 1"):
+        PrefixHomes(chunk, capacity)
+
+
+def test_the_config_refuses_what_prefix_homes_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="affinity_weight must be >= 0"):
+        PolicyConfig(affinity_weight=-1.0)
+    with pytest.raises(ValueError, match="affinity_chunk_tokens"):
+        PolicyConfig(affinity_chunk_tokens=0)
+
+
+class ReferenceHomes:
+    """The same contract keyed by whole prefixes (tuples), without hashing or eviction."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self.homes: dict[tuple[int, ...], tuple[str, int]] = {}
+
+    def prefixes(self, toks: list[int]) -> list[tuple[int, ...]]:
+        n = len(toks) // self.chunk
+        return [tuple(toks[: (i + 1) * self.chunk]) for i in range(n)]
+
+    def record(self, toks: list[int], rep: tuple[str, int]) -> None:
+        for p in self.prefixes(toks):
+            self.homes.setdefault(p, rep)
+
+    def homed(self, toks: list[int]) -> dict[tuple[str, int], int]:
+        out: dict[tuple[str, int], int] = {}
+        for p in self.prefixes(toks):
+            if p not in self.homes:
+                break
+            out[self.homes[p]] = out.get(self.homes[p], 0) + self.chunk
+        return out
+
+
+ops = st.lists(
+    st.tuples(
+        st.booleans(),  # record (True) or ask
+        st.lists(st.integers(0, 2), max_size=14),  # a small alphabet: prefixes collide
+        st.sampled_from([A, B, ("c", 1)]),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300)
+@given(st.integers(1, 4), ops)
+def test_prefix_homes_agree_with_whole_prefix_keys(chunk: int, steps: list) -> None:
+    homes, ref = PrefixHomes(chunk), ReferenceHomes(chunk)
+    for is_record, toks, rep in steps:
+        if is_record:
+            homes.record(homes.keys(toks), rep)
+            ref.record(toks, rep)
+        else:
+            got = homes.homed(homes.keys(toks))
+            assert got == ref.homed(toks)
+            assert sum(got.values()) <= len(toks)
+    assert homes.homes_by_replica() == dict(collections.Counter(ref.homes.values()))
+
+
+def cand(name: str, hit: int = 0, home: int = 0, queued: int = 0, trusted: bool = True):
+    return Candidate(
+        (name, 0),
+        hit_tokens=hit,
+        fa_prefix_tokens=hit,
+        home_tokens=home,
+        pending_prefill_tokens=queued,
+        trusted=trusted,
+    )
+
+
+def test_the_home_wins_the_tie_a_shared_prefix_leaves() -> None:
+    # a 600-token system prompt cached on both replicas; the home 'a' has 400 more tokens
+    # queued. cost = (1000 - 600) + queued - 2 * 600 - 1.0 * home
+    policy = KVCostPolicy(PolicyConfig(affinity_weight=1.0, lookahead_weight=2.0))
+    d = policy.choose(1000, [cand("a", 600, home=576, queued=400), cand("b", 600)])
+    assert d.chosen.key == ("a", 0)
+    assert d.chosen.cost == 400 + 400 - 1200 - 576
+    assert d.chosen.affinity == 576 and d.ranked[1].affinity == 0
+    assert d.chosen.as_dict()["affinity"] == 576
+    # a queue gap beyond the credit moves it
+    d = policy.choose(1000, [cand("a", 600, home=576, queued=600), cand("b", 600)])
+    assert d.chosen.key == ("b", 0)
+    # without the term the queue decides at once
+    no_term = KVCostPolicy(PolicyConfig(affinity_weight=0.0))
+    d = no_term.choose(1000, [cand("a", 600, 576, 1), cand("b", 600)])
+    assert d.chosen.key == ("b", 0)
+
+
+def test_an_untrusted_replica_gets_no_affinity() -> None:
+    policy = KVCostPolicy(PolicyConfig(affinity_weight=1.0))
+    # 'a' is attaching: its homes say nothing about a cache the router cannot see
+    d = policy.choose(1000, [cand("a", home=1000, trusted=False), cand("b", home=0)])
+    assert d.tied == 2
+    assert [s.affinity for s in d.ranked] == [0, 0]
+
+
+@given(st.integers(0, 4000), st.integers(0, 4000), st.integers(0, 4000))
+def test_more_home_never_costs_more(home: int, extra: int, queued: int) -> None:
+    policy = KVCostPolicy(PolicyConfig(affinity_weight=1.5))
+    lo = policy.score(4000, cand("a", home=home, queued=queued))
+    hi = policy.score(4000, cand("a", home=home + extra, queued=queued))
+    assert hi.cost == lo.cost - 1.5 * extra

@@ -1,0 +1,78 @@
+"""Prefix homes through the running router: two simulated replicas (their own block pools and
+hit rule), real HTTP and ZeroMQ. A family's prefix cached on both replicas ties on hit and
+look-ahead; the replica the router first sent it to gets the affinity credit, by the numbers
+derived here from the prompt's length, and loses it when it restarts with an empty cache."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from tests.sim_cluster import MODEL, SimCluster, words
+from tests.zmq_helpers import wait_for
+
+CHUNK = 64
+SYSTEM_WORDS = 320  # with BOS 321 tokens: five whole 64-token chunks
+
+
+@pytest.fixture(params=[1.0, 0.0], ids=["affinity", "no-affinity"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[SimCluster]:
+    policy = f"[pools.policy]\naffinity_weight = {request.param}\naffinity_chunk_tokens = {CHUNK}\n"
+    c = SimCluster(400, names=("a", "b"), extra_toml=policy)
+    c.weight = request.param  # type: ignore[attr-defined]
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def complete(c: SimCluster, prompt: str) -> str:
+    r = c.client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    return r.headers["x-kvrouter-replica"]
+
+
+def test_a_shared_prefix_stays_with_the_replica_it_was_first_sent_to(cluster: SimCluster) -> None:
+    c = cluster
+    weight: float = c.weight  # type: ignore[attr-defined]
+    rng = random.Random(11)
+    system = words(rng, SYSTEM_WORDS)
+    home = complete(c, f"{system} {words(rng, 40)}")
+    other = "b" if home == "a" else "a"
+    # the same family reaches the other replica without the router (another client)
+    r = c.direct(other).post(
+        "/v1/completions", json={"model": MODEL, "prompt": f"{system} {words(rng, 40)}",
+                                 "max_tokens": 2},
+    )  # fmt: skip
+    assert r.status_code == 200
+    c.sync("a")
+    c.sync("b")
+    probe = f"{system} {words(rng, 40)}"
+    out = c.explain(prompt=probe)
+    rows = {row["replica"]: row for row in out["replicas"]}
+    # the prefix is cached on both: equal hits (0: no window checkpoint where the prompts
+    # diverge yet, spec §4.7 Example 2) and equal look-ahead (the full-attention prefix)
+    assert rows[home]["hit_tokens"] == rows[other]["hit_tokens"]
+    assert rows[home]["score"]["look_ahead"] == rows[other]["score"]["look_ahead"] > 0
+    homed = (SYSTEM_WORDS + 1) // CHUNK * CHUNK  # the whole chunks of BOS + system prompt
+    assert rows[home]["score"]["affinity"] == weight * homed
+    assert rows[other]["score"]["affinity"] == 0
+    if weight:
+        assert out["chosen"]["replica"] == home and out["tied"] == 1
+        assert out["prefix_home_chunks"] >= homed // CHUNK
+        assert (
+            c.metric("kvrouter_prefix_home_chunks", dp_rank="0", pool=MODEL, replica=home)
+            == out["prefix_home_chunks"]
+        )
+    else:
+        assert out["tied"] == 2 and out["prefix_home_chunks"] is None
+
+    # the home restarts: an empty cache, and the router forgets what it sent there
+    c.replicas[home].restart()
+    wait_for(
+        lambda: c.rows(prompt=probe)[home]["score"]["affinity"] == 0,
+        20,
+        "the restarted replica to lose its homes",
+    )
