@@ -309,6 +309,13 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     turns moved off their conversation's replica fell from 6.2 to 0.8 per run, first turns sent
     where their system prompt had never been from 9.0 to 6.5 (the floor is 6, each family's
     first). 1.0 gave 62.0 %. It costs ~22 us per 2,000-token decision (bench/decide_bench.py)."""
+    affinity_max_tokens: float = 2048.0
+    """Bound on the affinity credit, in prefill tokens: the most queued work a home holds a
+    request against. Without it one long prefix that every request shares (a fleet-wide agent
+    prompt) would pull all traffic to its home until the queue there outweighed twice its
+    length. On the load benchmark it binds on later turns only (first-turn credits stay below
+    it: system prompts up to ~900 tokens), which their own hit holds: 62.1 % reuse with it
+    against 62.3 % without, 6 runs each, within the spread."""
     affinity_chunk_tokens: int = 64
     """Granularity of prefix homes: a chunk is homed once a request carried all of it."""
     affinity_capacity: int = 100_000
@@ -351,7 +358,8 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.pressure_half_life_s <= 0:
             raise ValueError("pressure_half_life_s must be > 0")
         for f in ("per_request_tokens", "waiting_request_tokens", "lookahead_weight",
-                  "pressure_weight", "load_band_tokens", "affinity_weight"):  # fmt: skip
+                  "pressure_weight", "load_band_tokens", "affinity_weight",
+                  "affinity_max_tokens"):  # fmt: skip
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0")
         if self.temperature < 0:

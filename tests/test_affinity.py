@@ -144,6 +144,18 @@ def test_the_home_wins_the_tie_a_shared_prefix_leaves() -> None:
     assert d.chosen.key == ("b", 0)
 
 
+def test_the_credit_is_bounded_so_a_shared_prefix_cannot_hold_all_traffic() -> None:
+    # every request starts with the same 4,000-token agent prompt, homed on 'a': the credit
+    # stops at affinity_max_tokens (1000), so a queue gap above it moves the request
+    policy = KVCostPolicy(PolicyConfig(affinity_weight=2.0, affinity_max_tokens=1000.0))
+    d = policy.choose(5000, [cand("a", 4000, home=4000, queued=999), cand("b", 4000)])
+    assert d.chosen.key == ("a", 0) and d.chosen.affinity == 1000
+    d = policy.choose(5000, [cand("a", 4000, home=4000, queued=1001), cand("b", 4000)])
+    assert d.chosen.key == ("b", 0)
+    with pytest.raises(ValueError, match="affinity_max_tokens must be >= 0"):
+        PolicyConfig(affinity_max_tokens=-1.0)
+
+
 def test_an_untrusted_replica_gets_no_affinity() -> None:
     policy = KVCostPolicy(PolicyConfig(affinity_weight=1.0))
     # 'a' is attaching: its homes say nothing about a cache the router cannot see
@@ -154,7 +166,10 @@ def test_an_untrusted_replica_gets_no_affinity() -> None:
 
 @given(st.integers(0, 4000), st.integers(0, 4000), st.integers(0, 4000))
 def test_more_home_never_costs_more(home: int, extra: int, queued: int) -> None:
-    policy = KVCostPolicy(PolicyConfig(affinity_weight=1.5))
+    policy = KVCostPolicy(PolicyConfig(affinity_weight=1.5, affinity_max_tokens=1e9))
     lo = policy.score(4000, cand("a", home=home, queued=queued))
     hi = policy.score(4000, cand("a", home=home + extra, queued=queued))
     assert hi.cost == lo.cost - 1.5 * extra
+    capped = KVCostPolicy(PolicyConfig(affinity_weight=1.5, affinity_max_tokens=3000.0))
+    lo, hi = (capped.score(4000, cand("a", home=h, queued=queued)) for h in (home, home + extra))
+    assert hi.cost <= lo.cost and lo.affinity <= 3000 and hi.affinity <= 3000

@@ -10,7 +10,7 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
                     + kv_pressure_tokens · max(0, kv_usage - threshold) / (1 - threshold)
     look_ahead    = lookahead_weight · fa_prefix_tokens
     pressure      = pressure_weight · recent_new_tokens
-    affinity      = affinity_weight · home_tokens
+    affinity      = min(affinity_max_tokens, affinity_weight · home_tokens)
     cost          = prefill + queued - look_ahead + pressure - affinity
 
 * ``gpu_hit`` is the exact hybrid hit vLLM will report (router.core.predict); an untrusted replica
@@ -56,7 +56,8 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   family's first request still in flight). With ``affinity_weight = 2`` a new conversation
   over a 600-token system prompt cached on both replicas (hits and look-ahead tie) leaves the
   prompt's home only for a queue gap above ``2·576`` tokens (nine whole 64-token chunks).
-  Measured in ``PolicyConfig.affinity_weight``'s docstring.
+  ``affinity_max_tokens`` bounds the credit, so a prefix every request shares cannot hold all
+  traffic on one replica. Measured in ``PolicyConfig.affinity_weight``'s docstring.
 
 * **Load band.** With ``load_band_tokens = b > 0`` a candidate's ``queued`` counts only
   beyond ``b`` tokens more than the least queued candidate's: small, fleeting differences in
@@ -270,7 +271,7 @@ class KVCostPolicy(_CostPolicy):
                 if th > hit:
                     eff += cfg.lower_tier_weights.get(tier, 0.0) * (th - hit)
             ahead = cfg.lookahead_weight * max(c.fa_prefix_tokens, hit)
-            affinity = cfg.affinity_weight * c.home_tokens
+            affinity = min(cfg.affinity_max_tokens, cfg.affinity_weight * c.home_tokens)
         else:
             hit, eff, ahead, affinity = 0, 0.0, 0.0, 0.0
         prefill = max(0.0, num_tokens - eff)
