@@ -20,9 +20,9 @@ def test_the_first_request_to_carry_a_prefix_gives_it_its_home() -> None:
     homes = PrefixHomes(chunk_tokens=4)
     system = list(range(100, 112))  # three chunks
     # the trailing 2 tokens are no chunk
-    assert homes.record(homes.keys([*system, 1, 2]), A) == 3
+    assert len(homes.record(homes.keys([*system, 1, 2]), A)) == 3
     # a second conversation over the same system prompt, routed elsewhere, keeps the home
-    assert homes.record(homes.keys([*system, 7, 7, 7, 7]), B) == 1
+    assert len(homes.record(homes.keys([*system, 7, 7, 7, 7]), B)) == 1
     assert homes.homed(homes.keys([*system, 9, 9, 9, 9, 9])) == {A: 12}
     assert homes.homed(homes.keys([*system, 7, 7, 7, 7, 5])) == {A: 12, B: 4}
     # the walk stops at the first chunk nobody carried, even if a later one matches by chance
@@ -51,6 +51,18 @@ def test_forgetting_a_replica_frees_its_prefixes_for_a_new_home() -> None:
     assert homes.homed(homes.keys([1, 1, 3, 3])) == {}  # its first chunk was A's
     homes.record(homes.keys([1, 1, 3, 3]), B)
     assert homes.homed(homes.keys([1, 1, 3, 3])) == {B: 4}
+
+
+def test_a_failed_over_request_takes_back_only_the_homes_it_made() -> None:
+    homes = PrefixHomes(chunk_tokens=2)
+    homes.record(homes.keys([1, 1]), A)
+    new = homes.record(homes.keys([1, 1, 2, 2, 3, 3]), B)  # [1, 1] was A's already
+    assert len(new) == 2
+    homes.withdraw(new, B)  # B failed before its first byte; the proxy goes on to A
+    assert homes.homed(homes.keys([1, 1, 2, 2, 3, 3])) == {A: 2}
+    assert homes.homes_by_replica() == {A: 1}
+    homes.record(homes.keys([1, 1, 2, 2, 3, 3]), A)
+    assert homes.homed(homes.keys([1, 1, 2, 2, 3, 3])) == {A: 6}
 
 
 @pytest.mark.parametrize(("chunk", "capacity"), [(0, 10), (4, 0)])

@@ -76,3 +76,26 @@ def test_a_shared_prefix_stays_with_the_replica_it_was_first_sent_to(cluster: Si
         20,
         "the restarted replica to lose its homes",
     )
+
+
+def test_a_request_that_fails_over_is_homed_where_it_went() -> None:
+    policy = f"[pools.policy]\naffinity_weight = 1.0\naffinity_chunk_tokens = {CHUNK}\n"
+    c = SimCluster(400, names=("a", "b"), extra_toml=policy)
+    try:
+        rng = random.Random(12)
+        system = words(rng, SYSTEM_WORDS)
+        home = complete(c, f"{system} {words(rng, 40)}")
+        other = "b" if home == "a" else "a"
+        c.sync(home)
+        c.replicas[home].stop_http()  # refuses connections; its events and cache stay
+        # the family's home wins the decision, fails before the first byte, fails over
+        turn = f"{system} {words(rng, 2 * CHUNK)}"
+        assert complete(c, turn) == other
+        rows = c.rows(prompt=f"{turn} {words(rng, 10)}")
+        # the system prompt's chunks stay home; the chunks only this request carried belong
+        # to the replica that served it: (1 + 320 + 128) // 64 = 7 chunks, 5 of them the
+        # system prompt's
+        assert rows[home]["score"]["affinity"] == 5 * CHUNK
+        assert rows[other]["score"]["affinity"] == 2 * CHUNK
+    finally:
+        c.close()

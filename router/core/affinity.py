@@ -72,25 +72,39 @@ class PrefixHomes:
             out[rep] = out.get(rep, 0) + self.chunk_tokens
         return out
 
-    def record(self, keys: Sequence[int], replica: ReplicaKey) -> int:
+    def record(self, keys: Sequence[int], replica: ReplicaKey) -> list[int]:
         """The request (its chunk ``keys``) was routed to ``replica``: its new chunks are homed
-        there, the known ones refreshed. Returns how many chunks were new."""
+        there, the known ones refreshed. Returns the new chunks' keys (for :meth:`withdraw`)."""
         homes, counts = self._homes, self._counts
-        new = 0
+        new = []
         for h in keys:
             if h in homes:
                 homes.move_to_end(h)
             else:
                 homes[h] = replica
-                new += 1
+                new.append(h)
         if new:
-            counts[replica] = counts.get(replica, 0) + new
+            counts[replica] = counts.get(replica, 0) + len(new)
         while len(homes) > self.capacity:
             _, old = homes.popitem(last=False)
-            counts[old] -= 1
-            if not counts[old]:
-                del counts[old]
+            self._uncount(old)
         return new
+
+    def withdraw(self, keys: Sequence[int], replica: ReplicaKey) -> None:
+        """The request failed over before ``replica`` took it: the chunks it homed there (the
+        keys :meth:`record` returned) lose that home, so the next request carrying them is
+        homed where it really goes."""
+        homes = self._homes
+        for h in keys:
+            if homes.get(h) == replica:
+                del homes[h]
+                self._uncount(replica)
+
+    def _uncount(self, replica: ReplicaKey) -> None:
+        counts = self._counts
+        counts[replica] -= 1
+        if not counts[replica]:
+            del counts[replica]
 
     def forget_replica(self, replica: ReplicaKey) -> int:
         """Drop every home on ``replica`` (removed, restarted or distrusted: its cache is not

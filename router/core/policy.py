@@ -53,9 +53,10 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   prefix is cached on several replicas their hits and look-ahead tie and the queue would
   decide, splitting a family of conversations over every replica; the credit keeps it on its
   home unless the queue there outweighs it too. It also holds where no event exists yet (the
-  family's first request still in flight). With ``affinity_weight = 2`` a new conversation
+  family's first request still in flight). With ``affinity_weight = 1`` a new conversation
   over a 600-token system prompt cached on both replicas (hits and look-ahead tie) leaves the
-  prompt's home only for a queue gap above ``2·576`` tokens (nine whole 64-token chunks).
+  prompt's home only for a queue gap above 576 tokens (nine whole 64-token chunks), and an
+  exact hit elsewhere outweighs the home as a hit on the same tokens would.
   ``affinity_max_tokens`` bounds the credit, so a prefix every request shares cannot hold all
   traffic on one replica. Measured in ``PolicyConfig.affinity_weight``'s docstring.
 

@@ -334,8 +334,7 @@ class Proxy:
                 return
             except _Upstream as exc:
                 last_error = exc
-                if pool.speculative is not None:
-                    pool.speculative.discard(choice.insertion)
+                pool.failed_over(choice)
                 attempt_failed(pool, rep, str(exc))
                 rep.last_error = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {rep.cfg.url}: {exc}"
                 self._m.failovers.labels(pool.name, key[0]).inc()

@@ -131,6 +131,8 @@ class RouteChoice:
     ranked with these; ``prediction`` stays the events-only one)."""
     insertion: Any = None
     """This request's speculative entries (withdrawn if it fails over elsewhere)."""
+    homed: list[int] | None = None
+    """The prefix chunks this decision homed on the chosen replica (withdrawn on failover)."""
 
 
 class PoolState:
@@ -400,6 +402,14 @@ class PoolState:
                 )
         return out
 
+    def failed_over(self, choice: RouteChoice) -> None:
+        """``choice``'s replica failed before its first byte: what the decision recorded there
+        (speculative entries, prefix homes) did not happen."""
+        if self.speculative is not None:
+            self.speculative.discard(choice.insertion)
+        if self.homes is not None and choice.homed:
+            self.homes.withdraw(choice.homed, choice.decision.chosen.key)
+
     def wrote(self, rep: ReplicaState, rank: int, new_tokens: int) -> None:
         """A request with ``new_tokens`` uncached prompt tokens was sent to ``rep``: they
         will take cache blocks there (cache pressure, router.core.pressure)."""
@@ -436,7 +446,7 @@ class PoolState:
         explain: bool = False,
         reason: str | None = None,
     ) -> RouteChoice:
-        pred = spec = insertion = None
+        pred = spec = insertion = new_homes = None
         if token_ids:
             pred = self.predict(token_ids, body, explain)
             overlay = self.speculative
@@ -460,7 +470,7 @@ class PoolState:
                 len(token_ids), self.candidates(basis, exclude, homed), commit=not explain
             )
             if homes is not None and not explain:
-                homes.record(home_keys, decision.chosen.key)
+                new_homes = homes.record(home_keys, decision.chosen.key)
             if overlay is not None and not explain:
                 chosen = decision.chosen.key
                 hit = None  # the admission-time hit there: where its junction will be
@@ -482,6 +492,7 @@ class PoolState:
             body,
             spec,
             insertion,
+            new_homes,
         )
 
 
