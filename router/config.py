@@ -300,26 +300,25 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pressure_weight: float = 0.0
     """Cost per token of cache pressure (``recent_new_tokens``, router.core.pressure, which
     says why it is off by default: no gain measured on real vLLM at 0.05-0.25)."""
-    affinity_weight: float = 1.0
+    affinity_weight: float = 2.0
     """Credit per prompt token whose prefix the router first sent to a replica (its home,
-    router.core.affinity); 0 turns prefix homes off. On two real vLLM replicas under
-    concurrent load (bench/real_vllm/load.py, 3 seeds x 2 repeats,
-    bench/results/real_vllm_load_affinity.md) 1.0 against 0 raised reuse in 6 of 6 paired runs
-    (59.7 -> 62.0 %, +2.3 points; TTFT mean 221 -> 182 ms, lower in 4 of 6 pairs): later turns
-    moved off their conversation's replica fell from 6.2 to 3.2 per run, first turns sent where
-    their system prompt had never been from 9.0 to 7.0 (the floor is 6, each family's first).
-    2.0 gave 62.3 % (moved 0.8, new there 6.5), within the spread of 1.0, but outbids an exact
-    hit elsewhere worth up to twice the homed prefix: a replica that comes back with the
-    prefix cached would lose the family to the replica that served it meanwhile. At 1.0 a
-    home is worth what a hit on the same tokens is worth. It costs ~22 us per 2,000-token
-    decision (bench/decide_bench.py)."""
+    router.core.affinity), among the replicas with the longest exact hit; 0 turns prefix homes
+    off. On two real vLLM replicas under concurrent load (bench/real_vllm/load.py, 3 seeds x 2
+    repeats, bench/results/real_vllm_load_affinity.md) 2.0 against 0 raised reuse in 6 of 6
+    paired runs (59.7 -> 62.3 %, +2.6 points; TTFT mean 221 -> 163 ms, lower in 5 of 6):
+    later turns moved off their conversation's replica fell from 6.2 to 0.8 per run, first
+    turns sent where their system prompt had never been from 9.0 to 6.5 (the floor is 6, each
+    family's first). 1.0 reached 62.0 % in that round but 60.6 % in the next
+    (bench/results/real_vllm_load_w1.md: 8.0 first turns per run sent where their prompt had
+    never been, 2.7 later turns moved), where cache_aware stayed at 62.8 %. It costs ~22 us
+    per 2,000-token decision (bench/decide_bench.py)."""
     affinity_max_tokens: float = 2048.0
     """Bound on the affinity credit, in prefill tokens: the most queued work a home holds a
     request against. Without it one long prefix that every request shares (a fleet-wide agent
     prompt) would pull all traffic to its home until the queue there outweighed twice its
-    length. On the load benchmark (prompts up to ~1,600 tokens) it never binds at weight 1; at
-    weight 2 it bound on later turns only, which their own hit holds: 62.1 % reuse with it
-    against 62.3 % without, 6 runs each, within the spread."""
+    length. On the load benchmark it binds on later turns only (first-turn credits stay below
+    it), which their own hit holds: 62.1 % reuse with it against 62.3 % without, 6 runs each,
+    within the spread."""
     affinity_chunk_tokens: int = 64
     """Granularity of prefix homes: a chunk is homed once a request carried all of it."""
     affinity_capacity: int = 100_000

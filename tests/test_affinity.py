@@ -4,6 +4,7 @@ hash chains, and the affinity term of the kv cost model with hand-derived number
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
@@ -166,6 +167,43 @@ def test_the_credit_is_bounded_so_a_shared_prefix_cannot_hold_all_traffic() -> N
     assert d.chosen.key == ("b", 0)
     with pytest.raises(ValueError, match="affinity_max_tokens must be >= 0"):
         PolicyConfig(affinity_max_tokens=-1.0)
+
+
+def test_a_home_never_outbids_a_longer_exact_hit_elsewhere() -> None:
+    # 'b' came back from a failure with the prefix cached (hit 160); 'a' served the family
+    # meanwhile and is its home, with the full-attention prefix but no checkpoint (hit 0)
+    policy = KVCostPolicy(PolicyConfig(affinity_weight=2.0))
+    a = Candidate(("a", 0), hit_tokens=0, fa_prefix_tokens=160, home_tokens=128)
+    b = Candidate(("b", 0), hit_tokens=160, fa_prefix_tokens=160)
+    d = policy.choose(400, [a, b])
+    assert d.chosen.key == ("b", 0)
+    assert [s.affinity for s in d.ranked] == [0, 0]
+    # scored alone, the home's credit (256) would have outbid the hit (160)
+    assert policy.score(400, a).cost < policy.score(400, b).cost
+    # with equal hits the home keeps it
+    a_hit = dataclasses.replace(a, hit_tokens=160)
+    d = policy.choose(400, [a_hit, b])
+    assert d.chosen.key == ("a", 0) and d.chosen.affinity == 256
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 2000)),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_the_chosen_replica_always_has_the_longest_hit_or_no_credit(rows: list) -> None:
+    policy = KVCostPolicy(PolicyConfig(affinity_weight=2.0, seed=1))
+    cands = [
+        Candidate((f"r{i}", 0), hit_tokens=64 * h, fa_prefix_tokens=64 * h,
+                  home_tokens=64 * home, pending_prefill_tokens=q)
+        for i, (h, home, q) in enumerate(rows)
+    ]  # fmt: skip
+    d = policy.choose(1000, cands)
+    best = max(c.hit_tokens for c in cands)
+    for s in d.ranked:
+        assert s.affinity == 0 or s.hit_tokens == best
 
 
 def test_an_untrusted_replica_gets_no_affinity() -> None:

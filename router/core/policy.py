@@ -53,10 +53,12 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   prefix is cached on several replicas their hits and look-ahead tie and the queue would
   decide, splitting a family of conversations over every replica; the credit keeps it on its
   home unless the queue there outweighs it too. It also holds where no event exists yet (the
-  family's first request still in flight). With ``affinity_weight = 1`` a new conversation
-  over a 600-token system prompt cached on both replicas (hits and look-ahead tie) leaves the
-  prompt's home only for a queue gap above 576 tokens (nine whole 64-token chunks), and an
-  exact hit elsewhere outweighs the home as a hit on the same tokens would.
+  family's first request still in flight). It only breaks ties among the replicas with the
+  longest exact hit: a home whose hit is shorter than another replica's gets no credit (a
+  replica back from a failure with the prefix cached wins its family back). With
+  ``affinity_weight = 2`` a new conversation over a 600-token system prompt cached on both
+  replicas (hits and look-ahead tie) leaves the prompt's home only for a queue gap above
+  ``2·576`` tokens (nine whole 64-token chunks).
   ``affinity_max_tokens`` bounds the credit, so a prefix every request shares cannot hold all
   traffic on one replica. Measured in ``PolicyConfig.affinity_weight``'s docstring.
 
@@ -262,6 +264,19 @@ class KVCostPolicy(_CostPolicy):
 
     name = "kv"
     banded = True
+
+    def choose(
+        self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
+    ) -> Decision:
+        # Affinity breaks ties among the replicas with the longest exact hit (against load);
+        # a home whose hit is shorter than another replica's gets no credit (module docstring)
+        best = max((c.hit_tokens for c in candidates if c.trusted), default=0)
+        if any(c.home_tokens and c.hit_tokens < best for c in candidates):
+            candidates = [
+                dataclasses.replace(c, home_tokens=0) if c.hit_tokens < best else c
+                for c in candidates
+            ]
+        return super().choose(num_tokens, candidates, commit=commit)
 
     def score(self, num_tokens: int, c: Candidate) -> Scored:
         cfg = self.cfg
