@@ -310,8 +310,10 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     turns sent where their system prompt had never been from 9.0 to 6.5 (the floor is 6, each
     family's first). 1.0 reached 62.0 % in that round but 60.6 % in the next
     (bench/results/real_vllm_load_w1.md: 8.0 first turns per run sent where their prompt had
-    never been, 2.7 later turns moved), where cache_aware stayed at 62.8 %. It costs ~22 us
-    per 2,000-token decision (bench/decide_bench.py)."""
+    never been, 2.7 later turns moved), where cache_aware stayed at 62.8 %. With the credit
+    limited to the longest exact hits, a third round gave 62.1 % against cache_aware's 62.5 %
+    (more in 4 of 6 pairs; bench/results/real_vllm_load_final.md). It costs ~22 us per
+    2,000-token decision (bench/decide_bench.py)."""
     affinity_max_tokens: float = 2048.0
     """Bound on the affinity credit, in prefill tokens: the most queued work a home holds a
     request against. Without it one long prefix that every request shares (a fleet-wide agent
