@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["PrefixHomes"]
+from router.core.index import ReplicaKey
 
-ReplicaKey = tuple[str, int]
+__all__ = ["PrefixHomes"]
 
 
 class PrefixHomes:

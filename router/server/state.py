@@ -190,15 +190,13 @@ class PoolState:
 
     def distrust_replica(self, rep: ReplicaState, detail: str) -> None:
         """``rep`` left rotation (down or ejected): what the index holds for it may be stale
-        by the time it is back (KVIndex.seen_down), and so are its speculative entries."""
+        by the time it is back (KVIndex.seen_down), and so are its speculative entries and
+        prefix homes."""
         if self.replicas.get(rep.name) is not rep:
             return  # removed meanwhile
         for r in rep.ranks:
             key = (rep.name, r)
-            if self.speculative is not None:
-                self.speculative.forget_replica(key)
-            if self.homes is not None:
-                self.homes.forget_replica(key)
+            self._forget_routing(key)
             if rep.streams:
                 self.index.seen_down(key, detail)
 
@@ -315,10 +313,7 @@ class PoolState:
             except SubscriberError:
                 log.exception("event subscriber of replica %r had failed", name)
         for r in rep.ranks:
-            if self.speculative is not None:
-                self.speculative.forget_replica((name, r))
-            if self.homes is not None:
-                self.homes.forget_replica((name, r))
+            self._forget_routing((name, r))
             self.index.reset_replica((name, r))
         await self._open_streams(rep, None)
 
@@ -330,10 +325,7 @@ class PoolState:
             except SubscriberError:  # its reader had died; the rest must still be released
                 log.exception("event subscriber of replica %r had failed", name)
         for r in rep.ranks:
-            if self.speculative is not None:
-                self.speculative.forget_replica((name, r))
-            if self.homes is not None:
-                self.homes.forget_replica((name, r))
+            self._forget_routing((name, r))
         self.index.remove_replica(name)
         await rep.client.aclose()
         await rep.upstream.aclose()
@@ -401,6 +393,14 @@ class PoolState:
                     )
                 )
         return out
+
+    def _forget_routing(self, key: ReplicaKey) -> None:
+        """What the router's own decisions recorded about ``key`` (speculative entries, prefix
+        homes) no longer says where its cache is: it restarted, left rotation or is gone."""
+        if self.speculative is not None:
+            self.speculative.forget_replica(key)
+        if self.homes is not None:
+            self.homes.forget_replica(key)
 
     def failed_over(self, choice: RouteChoice) -> None:
         """``choice``'s replica failed before its first byte: what the decision recorded there
