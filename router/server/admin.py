@@ -26,6 +26,7 @@ from events.subscriber import SubscriberError
 from router.config import ReplicaConfig
 from router.core.snapshot import encode_snapshot
 from router.server.admission import check_endpoints, check_models
+from router.server.decisions import DECISIONS_KEPT
 from router.server.doors import Refusal
 from router.server.errors import ApiError
 from router.server.logs import kv
@@ -63,6 +64,55 @@ class ExplainRequest(BaseModel):
     token_ids: list[int] | None = None
     cache_salt: str | None = None
     add_special_tokens: bool | None = None
+
+
+class ReplicaHitRow(BaseModel):
+    replica: str
+    dp_rank: int
+    hit_tokens: int = Field(description="the events-only predicted hit on this replica")
+    trust: str = Field(description="exact, partial (a lower bound) or untrusted (0)")
+
+
+class DecisionRow(BaseModel):
+    """One routed request's decision (router.server.decisions)."""
+
+    time: float = Field(description="Unix seconds when the request ended")
+    request_id: str | None
+    pool: str
+    replica: str = Field(description="the chosen replica (the last attempt's)")
+    dp_rank: int
+    policy: str
+    reason: str = Field(
+        description="best_hit, load (a larger hit passed over for load), no_hit, failover, "
+        "untokenized[:why]"
+    )
+    tied: int
+    attempts: int
+    status: int = Field(description="the status the client got")
+    num_tokens: int
+    tokenized: bool
+    predicted_hit: int | None = Field(description="events-only hit on the chosen replica")
+    expected_hit: int | None = Field(
+        description="admission-time hit (events + requests routed ahead), what the score used"
+    )
+    best_hit: int | None = Field(description="the largest predicted hit on any replica")
+    cached_tokens: int | None = Field(
+        description="usage.prompt_tokens_details.cached_tokens of the answer, when reported"
+    )
+    trust: str | None
+    limiting_group: str | None = Field(
+        description="the spec group that lowered the chosen replica's hit last"
+    )
+    longest_group_hit: int | None = Field(
+        description="the largest single-group result of the hybrid loop on the chosen replica"
+    )
+    hits: list[ReplicaHitRow]
+    router_ms: float | None = Field(description="body received to the first attempt sent")
+    total_ms: float
+
+
+class DecisionsOut(BaseModel):
+    decisions: list[DecisionRow] = Field(description=f"oldest first, at most {DECISIONS_KEPT}")
 
 
 class ReplicaIn(BaseModel):
@@ -348,6 +398,14 @@ def admin_router(
     @r.get("/config", summary="The effective config (secrets redacted)")
     async def config() -> dict[str, Any]:
         return state.config.redacted()
+
+    @r.get(
+        "/decisions",
+        summary="The last routing decisions: chosen replica, predicted and reported hits",
+        response_model=DecisionsOut,
+    )
+    async def decisions() -> dict[str, Any]:
+        return {"decisions": state.decisions.rows()}
 
     @r.get("/mismatches", summary="Latest requests whose cached_tokens differed from the hit")
     async def mismatches() -> dict[str, Any]:

@@ -5,7 +5,8 @@ The app is a thin dispatcher. Every HTTP request first meets the doors
 head alone); then ``POST /v1/completions`` and ``/v1/chat/completions`` go straight to
 :class:`router.server.proxy.Proxy` (the hot path, raw ASGI, no framework on it) and every other
 request, its body read within ``server.admin_max_body_bytes``, goes to a FastAPI app
-(``/v1/models``, ``/health``, ``/ready``, ``/metrics``, ``/admin``, the schema). Every error
+(``/v1/models``, ``/health``, ``/ready``, ``/metrics``, ``/admin``, the ``/admin/ui`` page,
+the schema at ``/openapi.json``; no ``/docs``: Swagger UI would load from a CDN). Every error
 is an OpenAI error (:mod:`router.server.errors`), a bug's included, and every ``/v1/*``
 request is counted, timed and logged when it ends (:mod:`router.server.outcome`). This is the
 one module that knows every face; the state it hands them (:mod:`router.server.state`) knows
@@ -45,6 +46,7 @@ from router.server.persist import load_snapshot, snapshot_forever, write_snapsho
 from router.server.proxy import Proxy
 from router.server.scrape import scrape_forever
 from router.server.state import RouterState
+from router.server.ui import UI_PATHS, install_ui
 
 __all__ = ["StartupError", "check_startup", "create_app"]
 
@@ -98,7 +100,12 @@ def create_app(config: RouterConfig) -> Any:
                     log.exception("index snapshot to %s failed at shutdown", path)
             await state.stop()
 
-    api = FastAPI(title="kvrouter", lifespan=lifespan, version="0.1.0")
+    # no /docs nor /redoc: FastAPI's pages load Swagger UI and ReDoc from a CDN, and nothing the
+    # router serves may refer to another host (the machines have no internet); the schema is
+    # /openapi.json, and /admin/ui lists its operations
+    api = FastAPI(
+        title="kvrouter", lifespan=lifespan, version="0.1.0", docs_url=None, redoc_url=None
+    )
     api.state.router = state
 
     def refused(reason: str) -> None:
@@ -132,9 +139,10 @@ def create_app(config: RouterConfig) -> Any:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    doors = Doors(config.server, refused)
+    doors = Doors(config.server, refused, UI_PATHS if config.server.admin_enabled else frozenset())
     if config.server.admin_enabled:
         api.include_router(admin_router(state, doors.admin))
+        install_ui(api)
 
     proxy = Proxy(state)
 
@@ -158,7 +166,7 @@ def create_app(config: RouterConfig) -> Any:
         await send_error(send, refusal.status, refusal.message, headers=refusal.headers)
 
     # outermost: every /v1/* request is counted and logged, whoever answers it
-    app = observe(json_errors(dispatch), state.metrics)
+    app = observe(json_errors(dispatch), state.metrics, state.decisions)
     app.state = api.state  # type: ignore[attr-defined]
     app.fastapi = api  # type: ignore[attr-defined]
     return app

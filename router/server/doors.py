@@ -9,6 +9,8 @@ is answered 401 while its body is still on the wire, and never buffered.
 * ``/admin``: ``Authorization: Bearer <server.admin_token>`` (401 without, 403 wrong). With no
   token (allowed on a loopback host only) the ``Host`` header must be a loopback address or
   ``localhost``, so a DNS-rebound name in a browser cannot reach it.
+* The ``/admin/ui`` page's static files (exact paths, ``GET``/``HEAD``) need nothing: they hold
+  no data, and every fetch the page makes goes through the ``/admin`` rules above.
 * Admin *mutations* (POST, PUT, PATCH, DELETE) need ``content-type: application/json`` (415:
   no HTML form or ``text/plain`` fetch can send one without a CORS preflight, which the router
   never grants) and no cross-site ``Origin`` (403: only the router's own origin and
@@ -83,9 +85,17 @@ def _host_name(host: str) -> str:
 class Doors:
     """The head-only checks of one router (its :class:`ServerConfig`)."""
 
-    def __init__(self, cfg: ServerConfig, count: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        count: Callable[[str], None],
+        public: frozenset[str] = frozenset(),
+    ) -> None:
+        """``public``: exact ``/admin`` paths a ``GET``/``HEAD`` may read without the admin
+        rules (the ``/admin/ui`` page's static files, router.server.ui; they hold no data)."""
         self.cfg = cfg
         self.count = count
+        self._public = public
         self._api_key = cfg.api_key.encode() if cfg.api_key else None
         self._admin_token = cfg.admin_token.encode() if cfg.admin_token else None
         self._origins = {o.lower() for o in cfg.admin_allowed_origins}
@@ -105,7 +115,11 @@ class Doors:
                         Refusal(401, "this router needs 'Authorization: Bearer <api key>' "
                                 "(server.api_key)", "api_key", _BEARER)
                     )  # fmt: skip
-        elif (path == "/admin" or path.startswith("/admin/")) and self.cfg.admin_enabled:
+        elif (
+            (path == "/admin" or path.startswith("/admin/"))
+            and self.cfg.admin_enabled
+            and not (path in self._public and scope["method"] in ("GET", "HEAD"))
+        ):
             refusal = self.admin(scope)
             if refusal is not None:
                 return self._refuse(refusal)

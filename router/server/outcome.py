@@ -15,6 +15,8 @@ the router's own error message, a client disconnect). When the request is over i
   tokenize, predict, choose; the time failed attempts took is the replicas', not the
   router's) and, for a streamed answer, ``kvrouter_upstream_ttft_seconds`` (the answering
   attempt sent to its first chunk, which the proxy forwards as soon as it is in);
+* keeps its routing decision, with its status and vLLM's ``cached_tokens``, in the last
+  decisions (:mod:`router.server.decisions`, ``GET /admin/decisions``);
 * logs one line on ``kvrouter.request`` (INFO, WARNING for a 5xx) with the routing decision:
   request id, pool, chosen replica and rank, its predicted hit and the best hit of any
   replica, the policy and why it chose so (``reason``), attempts, status and the latencies.
@@ -31,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from router.server.decisions import DecisionLog, Kept, decision_reason
 from router.server.logs import kv
 from router.server.metrics import RouterMetrics
 from router.server.state import RouteChoice
@@ -130,25 +133,10 @@ class Outcome:
             "predicted_hit": predicted,
             "best_hit": best,
             "policy": d.policy,
-            "reason": self._reason(choice),
+            "reason": decision_reason(choice.prediction, d, choice.reason, self.attempts),
             "tied": d.tied,
             "attempts": self.attempts,
         }
-
-    def _reason(self, choice: RouteChoice) -> str:
-        """Why this replica: ``untokenized[:why]`` (routed by load alone), ``failover`` (an
-        earlier attempt failed), ``no_hit`` (no candidate had a hit: load decided),
-        ``best_hit`` (the largest hit among the candidates), ``load`` (a candidate with a
-        larger hit was passed over for its load)."""
-        if choice.prediction is None:
-            return f"untokenized:{choice.reason}" if choice.reason else "untokenized"
-        if self.attempts > 1:
-            return "failover"
-        ranked = choice.decision.ranked
-        top = max(s.hit_tokens for s in ranked)
-        if top == 0:
-            return "no_hit"
-        return "best_hit" if ranked[0].hit_tokens >= top else "load"
 
     def error_message(self) -> str | None:
         """The message of the router's own error answer (it names no replica address)."""
@@ -176,8 +164,14 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
     return None
 
 
-def finish(out: Outcome, ended: float, metrics: RouterMetrics, request_id: str | None) -> None:
-    """Count, time and log one request (module docstring)."""
+def finish(
+    out: Outcome,
+    ended: float,
+    metrics: RouterMetrics,
+    request_id: str | None,
+    decisions: DecisionLog | None = None,
+) -> None:
+    """Count, time, keep (``decisions``) and log one request (module docstring)."""
     status = out.final_status()
     pool = out.pool
     choice = out.choice
@@ -192,6 +186,12 @@ def finish(out: Outcome, ended: float, metrics: RouterMetrics, request_id: str |
     if out.sse and out.answered and out.started is not None and out.attempt_at is not None:
         ttft = out.started - out.attempt_at
         metrics.upstream_ttft.labels(pool).observe(ttft)
+    if decisions is not None and choice is not None:
+        decisions.record(
+            Kept(time.time(), request_id, pool, choice.decision, choice.prediction,
+                 choice.speculative, choice.num_tokens, choice.reason, out.attempts, status,
+                 choice.cached_tokens, added, total)
+        )  # fmt: skip
     level = logging.WARNING if status >= 500 else logging.INFO
     if not log.isEnabledFor(level):
         return
@@ -210,8 +210,9 @@ def finish(out: Outcome, ended: float, metrics: RouterMetrics, request_id: str |
     log.log(level, "%s %s %d", out.method, out.path, status, extra=kv(**fields))
 
 
-def observe(app: Any, metrics: RouterMetrics) -> Any:
-    """``app`` with every ``/v1/*`` request counted, timed and logged (module docstring)."""
+def observe(app: Any, metrics: RouterMetrics, decisions: DecisionLog | None = None) -> Any:
+    """``app`` with every ``/v1/*`` request counted, timed and logged, and its routing
+    decision kept in ``decisions`` (module docstring)."""
 
     async def observed(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -241,7 +242,7 @@ def observe(app: Any, metrics: RouterMetrics) -> Any:
             ended = time.perf_counter()
             rid = out.request_id or _header(scope, b"x-request-id")
             try:
-                finish(out, ended, metrics, rid)
+                finish(out, ended, metrics, rid, decisions)
             except Exception:  # accounting must never turn a served request into an error
                 log.exception("could not account for request %s", rid)
 

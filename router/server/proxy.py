@@ -538,6 +538,7 @@ class Proxy:
         if not found:
             return
         actual = int(found[-1])
+        choice.cached_tokens = actual
         predicted = hit.hit_tokens
         err = abs(actual - predicted)
         metrics = self._m

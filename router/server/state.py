@@ -33,6 +33,7 @@ from router.core.pressure import DecayingSum
 from router.core.snapshot import SNAPSHOT_VERSION, IndexSnapshot, PoolSnapshot
 from router.core.speculative import SpeculativeOverlay
 from router.core.tokenize import RequestTokenizer, make_tokenizer
+from router.server.decisions import DecisionLog
 from router.server.ingest import IndexFeeder
 from router.server.logs import kv
 from router.server.metrics import RouterMetrics
@@ -133,6 +134,9 @@ class RouteChoice:
     """This request's speculative entries (withdrawn if it fails over elsewhere)."""
     homed: list[int] | None = None
     """The prefix chunks this decision homed on the chosen replica (withdrawn on failover)."""
+    cached_tokens: int | None = None
+    """What the replica's answer reported as ``cached_tokens``, once it is in (the proxy's
+    prediction check; the last decisions show it, router.server.decisions)."""
 
 
 class PoolState:
@@ -535,6 +539,8 @@ class RouterState:
         self.mismatches: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=config.server.mismatch_log_size
         )
+        self.decisions = DecisionLog()
+        """The last routing decisions (``GET /admin/decisions``), recorded as requests end."""
         self.started = False
 
     def snapshot(self) -> list[dict[str, Any]]:
