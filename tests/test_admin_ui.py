@@ -13,12 +13,14 @@ decision of a request sent through the router, and the explain result the API gi
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import random
 import re
 import shutil
 import subprocess
 import tempfile
+import tomllib
 import urllib.parse
 from collections.abc import Iterator
 from html.parser import HTMLParser
@@ -319,3 +321,15 @@ def test_page_without_the_token_says_so(cluster: SimCluster) -> None:
     dom.feed(chromium(f"{cluster.router.url}/admin/ui/#refresh=0", "--dump-dom", budget_ms=3000))
     assert "401" in dom.page["status"] and "admin token" in dom.page["status"]
     assert not dom.of("replica") and not dom.of("decision")
+
+
+def test_every_page_file_is_declared_as_package_data() -> None:
+    """``pip install .`` (not only an editable install) ships the page: each file of
+    ui_assets matches a ``[tool.setuptools.package-data]`` pattern of ``router.server``
+    (a built wheel was checked by hand to hold them)."""
+    pyproject = tomllib.loads((ASSETS.parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["router.server"]
+    files = sorted(f.relative_to(ASSETS.parent).as_posix() for f in ASSETS.iterdir())
+    assert files == ["ui_assets/app.js", "ui_assets/index.html", "ui_assets/style.css"]
+    for f in files:
+        assert any(fnmatch.fnmatch(f, p) for p in patterns), f
