@@ -5,7 +5,8 @@ replicas (tests/sim_cluster.py). ``GET /admin/decisions`` is checked against wha
 answers said (their ``x-kvrouter-*`` headers and ``usage``); the page's files are checked for
 what the doors let through without a token and for the headers they carry; every page the
 router serves is checked for references to other hosts; and the page itself is loaded in
-headless Chromium (Debian's ``chromium``; the test skips, saying so, when there is none),
+headless Chromium (Debian's ``chromium``; the test skips, saying so, when there is none,
+and fails instead with ``KVROUTER_REQUIRE_CHROMIUM=1``),
 whose DOM after its scripts ran must show the replicas with their trust and health, the
 decision of a request sent through the router, and the explain result the API gives for it.
 ``KVROUTER_UI_SCREENSHOT=path.png`` also saves a screenshot of that page.
@@ -255,7 +256,19 @@ def chromium(url: str, *extra: str, budget_ms: int = 6000) -> str:
     return p.stdout
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
+@pytest.fixture
+def browser() -> str:
+    """The Chromium binary; the test is skipped without one, or fails when
+    ``KVROUTER_REQUIRE_CHROMIUM=1`` (CI, which installs it)."""
+    if CHROMIUM is None:
+        why = "no chromium binary on PATH (Debian: apt-get install -y chromium)"
+        if os.environ.get("KVROUTER_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(why + "; KVROUTER_REQUIRE_CHROMIUM=1 requires it")
+        pytest.skip(why)
+    return CHROMIUM
+
+
+@pytest.mark.usefixtures("browser")
 def test_page_in_headless_chromium_shows_replicas_decisions_and_explain(
     cluster: SimCluster,
 ) -> None:
@@ -315,7 +328,7 @@ def test_page_in_headless_chromium_shows_replicas_decisions_and_explain(
         assert Path(out).stat().st_size > 10_000
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
+@pytest.mark.usefixtures("browser")
 def test_page_without_the_token_says_so(cluster: SimCluster) -> None:
     dom = Dom()
     dom.feed(chromium(f"{cluster.router.url}/admin/ui/#refresh=0", "--dump-dom", budget_ms=3000))
