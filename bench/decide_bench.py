@@ -5,8 +5,8 @@ flight, and on with requests in flight that share the request's system prompt (t
 decision runs a second prediction over index + overlay, and records its own entries).
 
 The pool is the router's own (``router.server.state.PoolState``, no HTTP, no subscribers),
-hybrid full attention + sliding window 128 with 16-token blocks (``config/layouts/fa_swa``'s
-shape), ``--replicas`` replicas each holding a share of eight 1,000-token system prompts
+hybrid full attention + sliding window 128 with 16-token blocks (the shape of the shipped
+layout ``fa_swa``), ``--replicas`` replicas each holding a share of eight 1,000-token system prompts
 (stored through ``KVIndex.apply_events``, as events would). Each decision is a new
 ``--tokens``-token prompt behind one of the system prompts. "in flight" keeps the last
 ``--in-flight`` decisions' insertions open and finishes the oldest as a new one comes, as the

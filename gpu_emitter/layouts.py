@@ -1,4 +1,4 @@
-"""Model layouts shipped as TOML (``config/layouts/*.toml``), loaded by name or path.
+"""Model layouts shipped as TOML (``gpu_emitter/layout_files/*.toml``), loaded by name or path.
 
 Torch-free on purpose: the router CLI imports it. A layout file is a
 :class:`events.layout.ModelLayout` in TOML (``[[groups]]`` tables, an optional ``[hash]``
@@ -20,8 +20,10 @@ from events.layout import LayoutError, ModelLayout, resolve
 
 __all__ = ["LAYOUT_DIR", "LayoutFileError", "load_layout", "parse_layout", "shipped_layouts"]
 
-#: Where the shipped layout files live (``config/layouts`` beside the packages).
-LAYOUT_DIR = Path(__file__).resolve().parents[1] / "config" / "layouts"
+#: Where the shipped layout files live: package data of :mod:`gpu_emitter` (declared in
+#: pyproject.toml's ``[tool.setuptools.package-data]``), so a wheel or ``pip install .``
+#: carries them, not only a source checkout.
+LAYOUT_DIR = Path(__file__).resolve().parent / "layout_files"
 
 
 class LayoutFileError(LayoutError):

@@ -46,8 +46,9 @@ __all__ = ["LAYOUT", "MODEL", "NAMES", "TOKEN", "SimCluster", "SimReplica", "wor
 MODEL = "sim-fa-swa"
 TOKEN = "sim-admin-token"
 NAMES = ("a", "b", "c")
-#: Full attention is group 0, the sliding window group 1 (as in config/layouts/fa_swa.toml,
-#: with a 48-token window so that need = ceil(47/16) = 3 blocks, spec §4.7).
+#: Full attention is group 0, the sliding window group 1 (as in the shipped layout
+#: gpu_emitter/layout_files/fa_swa.toml, with a 48-token window so that
+#: need = ceil(47/16) = 3 blocks, spec §4.7).
 LAYOUT = ModelLayout(
     groups=(
         GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),
