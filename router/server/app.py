@@ -45,6 +45,7 @@ from router.server.persist import load_snapshot, snapshot_forever, write_snapsho
 from router.server.proxy import Proxy
 from router.server.scrape import scrape_forever
 from router.server.state import RouterState
+from router.version import kvrouter_version
 
 __all__ = ["StartupError", "check_startup", "create_app"]
 
@@ -98,7 +99,7 @@ def create_app(config: RouterConfig) -> Any:
                     log.exception("index snapshot to %s failed at shutdown", path)
             await state.stop()
 
-    api = FastAPI(title="kvrouter", lifespan=lifespan, version="0.1.0")
+    api = FastAPI(title="kvrouter", lifespan=lifespan, version=kvrouter_version())
     api.state.router = state
 
     def refused(reason: str) -> None:
