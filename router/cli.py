@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
+from router.version import kvrouter_version
+
 GROUP = "kvrouter.commands"
 
 #: One-line help per command, shown by ``kvrouter --help`` without importing any command.
@@ -25,6 +27,7 @@ HELP: dict[tuple[str, ...], str] = {
     ("serve",): "run the router: OpenAI proxy with KV-aware routing",
     ("replica",): "run a simulated vLLM replica (OpenAI API + KV events)",
     ("demo",): "simulated replicas + router + Mooncake workload: compare policies",
+    ("config", "example"): "print a router.toml with every knob, its default and what it does",
 }
 
 
@@ -63,6 +66,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         prog="kvrouter",
         description="KV-cache-aware router for vLLM fleets.",
     )
+    parser.add_argument("--version", action="version", version=f"kvrouter {kvrouter_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[tuple[str, ...], argparse._SubParsersAction] = {}
     for words in sorted(known, key=lambda w: list(HELP).index(w) if w in HELP else len(HELP)):

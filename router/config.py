@@ -6,7 +6,8 @@ Precedence, highest first (documented for operators in ``config/router-sim.toml`
 2. environment variables ``KVROUTER_<FIELD>`` for ``[server]`` fields (``KVROUTER_PORT``,
    ``KVROUTER_ADMIN_TOKEN``, ...), ``KVROUTER_INDEX_<FIELD>`` for ``[index]`` fields and
    ``KVROUTER_HEALTH_<FIELD>`` for ``[health]`` fields;
-3. the TOML file given with ``--config``;
+3. the TOML file given with ``--config``, or the pool that ``kvrouter serve``'s quick-start flags
+   (``--model``, ``--replica``, ...) describe instead of a file (router.config_flags);
 4. the defaults below.
 
 The same Struct validates every source (overrides are applied to the decoded file as plain
@@ -42,6 +43,8 @@ __all__ = [
     "StreamConfig",
     "TokenizerConfig",
     "apply_overrides",
+    "convert_config",
+    "effective_overrides",
     "env_overrides",
     "is_loopback",
     "load_config",
@@ -578,6 +581,23 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Mapping[str, A
                 target[k] = _coerce(classes[section], k, v)
 
 
+def convert_config(
+    data: dict[str, Any],
+    *,
+    source: str = "<config>",
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> RouterConfig:
+    """Validate decoded config data (a TOML file's, or the one ``kvrouter serve``'s quick-start
+    flags build, router.config_flags) after merging ``overrides`` into it; errors become
+    :class:`ConfigError` naming ``source`` and the field's path."""
+    if overrides:
+        apply_overrides(data, overrides)
+    try:
+        return msgspec.convert(data, RouterConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
 def parse_config(
     text: str | bytes,
     *,
@@ -589,12 +609,18 @@ def parse_config(
         data = msgspec.toml.decode(text)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    if overrides:
-        apply_overrides(data, overrides)
-    try:
-        return msgspec.convert(data, RouterConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+    return convert_config(data, source=source, overrides=overrides)
+
+
+def effective_overrides(
+    environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The env vars' and then the flags' overrides, flags winning (the module docstring)."""
+    env = env_overrides(os.environ if environ is None else environ)
+    merged: dict[str, dict[str, Any]] = {k: dict(v) for k, v in env.items()}
+    if flags:
+        merged["server"].update({k: v for k, v in flags.items() if v is not None})
+    return merged
 
 
 def load_config(
@@ -609,8 +635,4 @@ def load_config(
         text = p.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read the config file: {exc.strerror}") from None
-    env = env_overrides(os.environ if environ is None else environ)
-    merged: dict[str, dict[str, Any]] = {k: dict(v) for k, v in env.items()}
-    if flags:
-        merged["server"].update({k: v for k, v in flags.items() if v is not None})
-    return parse_config(text, source=str(p), overrides=merged)
+    return parse_config(text, source=str(p), overrides=effective_overrides(environ, flags))

@@ -47,6 +47,7 @@ from router.server.proxy import Proxy
 from router.server.scrape import scrape_forever
 from router.server.state import RouterState
 from router.server.ui import UI_PATHS, install_ui
+from router.version import kvrouter_version
 
 __all__ = ["StartupError", "check_startup", "create_app"]
 
@@ -104,7 +105,11 @@ def create_app(config: RouterConfig) -> Any:
     # router serves may refer to another host (the machines have no internet); the schema is
     # /openapi.json, and /admin/ui lists its operations
     api = FastAPI(
-        title="kvrouter", lifespan=lifespan, version="0.1.0", docs_url=None, redoc_url=None
+        title="kvrouter",
+        lifespan=lifespan,
+        version=kvrouter_version(),
+        docs_url=None,
+        redoc_url=None,
     )
     api.state.router = state
 
