@@ -110,6 +110,8 @@ def _ready(meta: Mapping[str, Any], status: Mapping[str, Any]) -> str | None:
     if not status.get("podIP"):
         return "no pod IP yet"
     conditions = status.get("conditions") or []
+    if not isinstance(conditions, list):
+        raise PodRefused("bad_pod", "status.conditions is not a list")
     ready = [c for c in conditions if isinstance(c, Mapping) and c.get("type") == "Ready"]
     if not ready or ready[0].get("status") != "True":
         return "Ready condition not True"

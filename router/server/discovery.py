@@ -45,7 +45,7 @@ from router.server.logs import kv
 from router.server.metrics import RouterMetrics
 from router.server.state import DiscoveryStatus, PoolState
 
-__all__ = ["DiscoveryUnavailable", "PodWatcher", "require_client"]
+__all__ = ["DiscoveryUnavailable", "PodWatcher", "backoff_delay", "require_client"]
 
 log = logging.getLogger("kvrouter.discovery")
 
@@ -61,6 +61,14 @@ connection that died without a FIN is found within ``timeoutSeconds`` + this."""
 SWEEP_INTERVAL_S = 0.1
 """How often draining replicas are checked for being idle."""
 EVENT_TYPES = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR")
+
+
+def backoff_delay(failures: int, rand: float | None = None) -> float:
+    """Seconds to wait after ``failures`` consecutive failures: ``BACKOFF_BASE_S`` doubled per
+    failure up to ``BACKOFF_MAX_S``, drawn in the upper half of that (jitter, so that several
+    routers that lost the API server together do not come back in step)."""
+    top = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** min(max(0, failures - 1), 30))
+    return top / 2 + (random.random() if rand is None else rand) * top / 2
 
 
 class DiscoveryUnavailable(RuntimeError):
@@ -213,9 +221,7 @@ class PodWatcher:
         )  # fmt: skip
 
     def _backoff(self) -> float:
-        """Exponential in the consecutive failures, capped, with full jitter above half."""
-        top = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** max(0, self._failures - 1))
-        return top / 2 + random.random() * top / 2
+        return backoff_delay(self._failures)
 
     def _set_connected(self, up: bool) -> None:
         self.status.connected = up
