@@ -60,6 +60,8 @@ READ_MARGIN_S = 30.0
 connection that died without a FIN is found within ``timeoutSeconds`` + this."""
 SWEEP_INTERVAL_S = 0.1
 """How often draining replicas are checked for being idle."""
+ADD_RETRY_S = 5.0
+"""A ready pod whose replica could not be added is tried again this long after."""
 EVENT_TYPES = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR")
 
 
@@ -144,6 +146,7 @@ class PodWatcher:
         self._httpx: Any = None
         self._path = ""
         self._failures = 0
+        self._retry_at: float | None = None
 
     # ------------------------------------------------------------------ loop
 
@@ -401,6 +404,7 @@ class PodWatcher:
             rep = await self.pool.add_replica(target.replica, source="kubernetes")
         except Exception as exc:  # cannot connect its streams, a name taken meanwhile
             self.metrics.discovery_errors.labels(self.pool.name, "add_failed").inc()
+            self._retry_at = time.monotonic() + ADD_RETRY_S
             log.warning(
                 "pod %s could not be added to pool %s: %s",
                 name,
@@ -435,11 +439,16 @@ class PodWatcher:
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
-            if self.draining:
+            retry = self._retry_at is not None and time.monotonic() >= self._retry_at
+            if self.draining or retry:
                 try:
-                    async with self._lock:
-                        await self._sweep()
-                        self._publish()
+                    if retry:
+                        self._retry_at = None
+                        await self._reconcile()
+                    else:
+                        async with self._lock:
+                            await self._sweep()
+                            self._publish()
                 except Exception:  # the sweep must go on: a later one retries
                     self.metrics.discovery_errors.labels(self.pool.name, "internal").inc()
                     log.exception("draining discovered replicas of pool %s", self.pool.name)
