@@ -30,11 +30,13 @@ import msgspec
 from events.layout import LayoutError, ModelLayout, resolve
 from events.publisher import EndpointError, offset_endpoint_port, validate_endpoint
 from router.core.index import IndexLimits
+from router.core.label_selector import SelectorError, parse_selector
 
 __all__ = [
     "ConfigError",
     "HealthConfig",
     "IndexConfig",
+    "KubernetesConfig",
     "PolicyConfig",
     "PoolConfig",
     "ReplicaConfig",
@@ -54,6 +56,7 @@ __all__ = [
 ENV_PREFIX = "KVROUTER_"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ORIGIN = re.compile(r"^https?://[^/\s?#]+$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 class ConfigError(ValueError):
@@ -448,11 +451,77 @@ class ReplicaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return [s.dp_rank for s in self.streams] if self.streams else list(self.dp_ranks)
 
 
+class KubernetesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a pool with ``discovery = "kubernetes"`` finds its replicas: the ready pods
+    matching ``label_selector`` in ``namespace`` (router.server.discovery watches them,
+    router.core.pods turns each into a replica; docs/kubernetes-discovery.md). Each port can
+    be overridden per pod by an annotation (``kvrouter.io/http-port``, ``kvrouter.io/events-port``,
+    ``kvrouter.io/replay-port``; ``kvrouter.io/dp-ranks`` lists the pod's DP ranks)."""
+
+    namespace: str = ""
+    """``""``: the router pod's own namespace (its service-account ``namespace`` file)."""
+    label_selector: str = ""
+    """Which pods serve this pool, in Kubernetes selector syntax (``app=vllm,tier in (a,b)``).
+    Required: an empty selector would take every pod of the namespace."""
+    http_port: int = 8000
+    """vLLM's HTTP port on the pod."""
+    events_port: int = 5557
+    """The ``--kv-events-config`` endpoint port of DP rank 0 (rank r: this + r); 0: the pods
+    publish no events (routed by load only)."""
+    replay_port: int = 5558
+    """The replay ROUTER port of rank 0; 0: none."""
+    drain_timeout_s: float = 30.0
+    """A pod that terminates (or stops being ready) is drained at once and removed when its
+    in-flight requests are done, or after this long whatever is left."""
+    api_server: str = ""
+    """``""``: in-cluster (``KUBERNETES_SERVICE_HOST``/``_PORT``, the service-account token,
+    re-read when it rotates, and CA), or the kubeconfig (``KUBECONFIG``, ``~/.kube/config``)
+    outside a cluster. A URL (``http://127.0.0.1:8001`` for ``kubectl proxy``, or a test's
+    fake API server) is used as it is, without credentials: plain ``http`` is allowed there
+    because such a URL is a local proxy that authenticates for the router."""
+
+    def __post_init__(self) -> None:
+        if not self.label_selector.strip():
+            raise ValueError(
+                "label_selector is required (e.g. 'app.kubernetes.io/name=vllm'): an empty "
+                "selector would make every pod of the namespace a replica"
+            )
+        try:
+            parse_selector(self.label_selector)
+        except SelectorError as exc:
+            raise ValueError(f"label_selector: {exc}") from None
+        if not 1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be 1..65535, got {self.http_port}")
+        for f in ("events_port", "replay_port"):
+            if not 0 <= getattr(self, f) <= 65535:
+                raise ValueError(f"{f} must be 0..65535 (0: none), got {getattr(self, f)}")
+        if not 0 <= self.drain_timeout_s < math.inf:
+            raise ValueError(f"drain_timeout_s must be >= 0 seconds, got {self.drain_timeout_s}")
+        if self.api_server and not _ORIGIN.match(self.api_server.rstrip("/")):
+            raise ValueError(
+                f"api_server {self.api_server!r} must be an http(s)://host[:port] URL "
+                '(or "" for in-cluster)'
+            )
+        if self.api_server and not self.namespace:
+            raise ValueError(
+                "namespace is required with api_server (the router's own namespace is only "
+                "known in-cluster)"
+            )
+        if self.namespace and not _DNS_LABEL.match(self.namespace):
+            raise ValueError(f"namespace {self.namespace!r} is not a Kubernetes namespace name")
+
+
 class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The replicas serving one model (the ``model`` field of requests selects the pool)."""
 
     model: str
     replicas: tuple[ReplicaConfig, ...]
+    """Static replicas (with ``discovery = "kubernetes"`` too, beside the discovered ones;
+    write ``replicas = []`` for none)."""
+    discovery: Literal["static", "kubernetes"] = "static"
+    """``static``: only ``replicas`` and the admin API; ``kubernetes``: also every ready pod
+    the ``[pools.kubernetes]`` table selects."""
+    kubernetes: KubernetesConfig | None = None
     layout: ModelLayout = ModelLayout(groups=())
     tokenizer: TokenizerConfig = TokenizerConfig()
     policy: PolicyConfig = PolicyConfig()
@@ -460,6 +529,16 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Other model names routed to this pool (served-model-name aliases)."""
 
     def __post_init__(self) -> None:
+        if self.discovery == "kubernetes" and self.kubernetes is None:
+            raise ValueError(
+                'discovery = "kubernetes" needs a [pools.kubernetes] table (at least '
+                "label_selector)"
+            )
+        if self.discovery != "kubernetes" and self.kubernetes is not None:
+            raise ValueError(
+                '[pools.kubernetes] is only read with discovery = "kubernetes" in the same '
+                "pool; add it, or remove the table"
+            )
         names = [r.name for r in self.replicas]
         dup = {n for n in names if names.count(n) > 1}
         if dup:

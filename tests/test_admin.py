@@ -101,6 +101,7 @@ def test_drain_undrain_remove_add(cluster: Cluster) -> None:
         }
         r = cluster.http.post("/admin/replicas", json={"pool": MODEL, "replica": spec}, headers=h)
         assert r.status_code == 201, r.text
+        assert r.json()["source"] == "admin"
         dup = cluster.http.post("/admin/replicas", json={"pool": MODEL, "replica": spec},
                                 headers=h)  # fmt: skip
         assert dup.status_code == 409

@@ -170,6 +170,16 @@ def admin_router(
                 out.append(d)
         return {"replicas": out}
 
+    @r.get("/discovery", summary="Each discovering pool's pod watch: resourceVersion, pods")
+    async def discovery() -> dict[str, Any]:
+        return {
+            "pools": [
+                {"pool": p.name, **p.discovery.as_dict()}
+                for p in state.pools.values()
+                if p.discovery is not None
+            ]
+        }
+
     @r.post("/replicas", status_code=201, summary="Add a replica to a pool")
     async def add_replica(body: ReplicaIn, request: Request) -> dict[str, Any]:
         pool = pool_of(body.pool, "pool")
@@ -184,7 +194,7 @@ def admin_router(
         if body.verify_model:
             await check_models(rcfg, pool.cfg, state.config.server)
         try:
-            rep = await pool.add_replica(rcfg)
+            rep = await pool.add_replica(rcfg, source="admin")
         except (ValueError, SubscriberError) as exc:  # EndpointError: cannot bind / connect
             raise ApiError(409, str(exc), "replica") from None
         _changed("added", request, pool, rcfg.name, url=rcfg.url, dp_ranks=rep.ranks)

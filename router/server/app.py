@@ -13,8 +13,9 @@ one module that knows every face; the state it hands them (:mod:`router.server.s
 none of them, so no face reaches around another.
 
 The lifespan starts the pools (their replicas' event subscribers run on the serving loop, so the
-index is read and written by one thread only), the ``/metrics`` scraper and the health prober
-(router.server.health), and stops them.
+index is read and written by one thread only), the ``/metrics`` scraper, the health prober
+(router.server.health) and, for pools with ``discovery = "kubernetes"``, the pod watchers
+(router.server.discovery), and stops them.
 
 ``GET /health`` is liveness: 200 while the process serves. ``GET /ready`` is readiness: 200
 when every pool has a routable replica with its event streams connected, else 503, both with
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, Response
 
 from router.config import RouterConfig, is_loopback
 from router.server.admin import admin_router
+from router.server.discovery import DiscoveryUnavailable, PodWatcher, require_client
 from router.server.doors import PROXIED, Doors, Refusal
 from router.server.errors import install_error_handlers, json_errors, send_error
 from router.server.health import probe_forever, readiness
@@ -59,7 +61,13 @@ class StartupError(RuntimeError):
 
 
 def check_startup(config: RouterConfig) -> None:
-    """Refuse configs that would expose the admin API unauthenticated."""
+    """Refuse configs that would expose the admin API unauthenticated, or that discover pods
+    without the Kubernetes client installed."""
+    if any(p.discovery == "kubernetes" for p in config.pools):
+        try:
+            require_client()
+        except DiscoveryUnavailable as exc:
+            raise StartupError(str(exc)) from None
     s = config.server
     if s.admin_enabled and not s.admin_token and not is_loopback(s.host):
         raise StartupError(
@@ -82,6 +90,9 @@ def create_app(config: RouterConfig) -> Any:
             tasks.append(loop.create_task(scrape_forever(state)))
         if config.health.probe_interval_s > 0:
             tasks.append(loop.create_task(probe_forever(state)))
+        for pool in state.pools.values():
+            if pool.cfg.discovery == "kubernetes":
+                tasks.append(loop.create_task(PodWatcher(pool, state.metrics).run()))
         path = config.index.snapshot_path
         if path and config.index.snapshot_interval_s > 0:
             tasks.append(

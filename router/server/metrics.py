@@ -272,6 +272,52 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        # Kubernetes discovery (router.server.discovery), per pool with discovery = kubernetes
+        self.discovery_events = Counter(
+            "kvrouter_discovery_events",
+            "Pod watch events received, by type (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR)",
+            ["pool", "type"],
+            registry=r,
+        )
+        self.discovery_relists = Counter(
+            "kvrouter_discovery_relists",
+            "Pod lists (the start, after 410 Gone, after a broken event, after an error)",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.discovery_errors = Counter(
+            "kvrouter_discovery_errors",
+            "Pod list/watch failures by reason (connect, timeout, disconnected, http_<code>, "
+            "gone, malformed, config, add_failed, internal); each is retried",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.discovery_refused = Counter(
+            "kvrouter_discovery_refused_pods",
+            "Pod versions not made replicas: bad_annotation, bad_pod, name_clash (a static "
+            "or admin replica has its name)",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.discovery_changes = Counter(
+            "kvrouter_discovery_replica_changes",
+            "Replica changes made by discovery: added, replaced, drained, undrained, removed "
+            "(idle) and removed_timeout (drain_timeout_s passed with requests in flight)",
+            ["pool", "change"],
+            registry=r,
+        )
+        self.discovery_replicas = Gauge(
+            "kvrouter_discovery_replicas",
+            "Replicas discovery holds, by state: serving or draining",
+            ["pool", "state"],
+            registry=r,
+        )
+        self.discovery_connected = Gauge(
+            "kvrouter_discovery_connected",
+            "1 while the pool's pod watch stream is open",
+            ["pool"],
+            registry=r,
+        )
         if snapshot is not None:
             r.register(_StateCollector(snapshot))
         self._exposed = _WithoutCreated(r)

@@ -40,7 +40,7 @@ from router.server.metrics import RouterMetrics
 from router.server.upstream import UpstreamPool
 from router.server.vllm_metrics import parse_start_time, restarted
 
-__all__ = ["PoolState", "ReplicaState", "RouteChoice", "RouterState"]
+__all__ = ["DiscoveryStatus", "PoolState", "ReplicaState", "RouteChoice", "RouterState"]
 
 log = logging.getLogger("kvrouter.serve")
 
@@ -85,6 +85,9 @@ class ReplicaState:
     subscriber: AsyncSubscriber | None = None
     streams: dict[str, ReplicaKey] = field(default_factory=dict)
     feeder: IndexFeeder | None = None
+    source: str = "static"
+    """Who added it: ``static`` (the config file), ``admin`` (``POST /admin/replicas``) or
+    ``kubernetes`` (pod discovery, router.server.discovery)."""
 
     @property
     def name(self) -> str:
@@ -94,6 +97,7 @@ class ReplicaState:
         now, wall = time.monotonic(), time.time()
         return {
             "name": self.name,
+            "source": self.source,
             "url": self.cfg.url,
             "dp_ranks": self.ranks,
             "drained": self.drained,
@@ -112,6 +116,44 @@ class ReplicaState:
             "restarts": self.restarts,
             "last_error": self.last_error,
             "streams": {s: f"{k[0]}/dp{k[1]}" for s, k in self.streams.items()},
+        }
+
+
+@dataclass
+class DiscoveryStatus:
+    """What a pool's pod watcher (router.server.discovery) last saw, for ``/admin/discovery``:
+    written by the watcher only, read by the admin API."""
+
+    namespace: str
+    label_selector: str
+    api_server: str
+    connected: bool = False
+    """A watch stream is open now."""
+    resource_version: str | None = None
+    """The last resourceVersion seen (list, event or bookmark): where a watch resumes."""
+    last_error: str | None = None
+    last_error_at: float | None = None
+    """Wall-clock time of ``last_error``."""
+    relists: int = 0
+    pods: dict[str, str] = field(default_factory=dict)
+    """Every pod the selector matches, by name: ``ready``, ``refused: ...`` or why it is not
+    ready."""
+    draining: dict[str, float] = field(default_factory=dict)
+    """Discovered replicas being drained, with their removal deadline (monotonic)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "namespace": self.namespace,
+            "label_selector": self.label_selector,
+            "api_server": self.api_server or "in-cluster",
+            "connected": self.connected,
+            "resource_version": self.resource_version,
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
+            "relists": self.relists,
+            "pods": dict(sorted(self.pods.items())),
+            "draining": {n: max(0.0, round(d - now, 3)) for n, d in self.draining.items()},
         }
 
 
@@ -162,6 +204,8 @@ class PoolState:
         self.policy: Policy = make_policy(cfg.policy)
         self.fallback = LeastLoadPolicy(cfg.policy)
         self.replicas: dict[str, ReplicaState] = {}
+        self.discovery: DiscoveryStatus | None = None
+        """Set when the pool's replicas are also discovered (``discovery = "kubernetes"``)."""
         self.tokenizer: RequestTokenizer = make_tokenizer(
             cfg.tokenizer, model=cfg.model, urls=self.live_urls
         )
@@ -211,10 +255,13 @@ class PoolState:
         rcfg: ReplicaConfig,
         restored: dict[str, int] | None = None,
         started_at: float | None = None,
+        *,
+        source: str = "static",
     ) -> ReplicaState:
         """Connect a replica. ``restored``: its state was loaded from a snapshot, and maps each
         of its streams to the last batch applied there (the ring is asked from the next);
-        ``started_at`` is the process start time that state belongs to."""
+        ``started_at`` is the process start time that state belongs to; ``source`` who adds
+        it (:attr:`ReplicaState.source`)."""
         if rcfg.name in self.replicas:
             raise ValueError(f"replica {rcfg.name!r} already exists in pool {self.name!r}")
         s = self.router.config.server
@@ -235,6 +282,7 @@ class PoolState:
             rcfg.ranks(),
             ReplicaHealth(self.router.config.health),
             started_at=started_at,
+            source=source,
         )
         for r in rep.ranks:
             rep.in_flight[r] = 0
