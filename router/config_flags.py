@@ -112,7 +112,7 @@ def config_from_flags(
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> RouterConfig:
     """One pool serving ``model`` on ``replicas`` (``--replica`` values), validated as a file
-    would be. ``layout``: a layout TOML file (``config/layouts/*.toml``: ``[[groups]]``,
+    would be. ``layout``: a layout TOML file (``gpu_emitter/layout_files/*.toml``: ``[[groups]]``,
     ``[hash]``, ...; omitted: learned from the first events). ``tokenizer``: ``builtin``,
     ``remote`` or the directory holding the replicas' tokenizer files (``local``)."""
     specs = list(replicas)
@@ -138,7 +138,7 @@ def _layout_data(path: str) -> Any:
     except OSError as exc:
         raise ConfigError(
             f"--layout {path!r}: cannot read the layout file: {exc.strerror} (give the path of "
-            "a layout TOML file, e.g. config/layouts/fa_swa.toml)"
+            "a layout TOML file, e.g. gpu_emitter/layout_files/fa_swa.toml)"
         ) from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"--layout {path!r}: not valid TOML: {exc}") from None

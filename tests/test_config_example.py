@@ -163,8 +163,14 @@ def test_the_commented_kubernetes_block_follows_the_contract() -> None:
     from router.config import PoolConfig
 
     if "discovery" in PoolConfig.__struct_fields__:  # the k8s branch merged: it must parse too
-        uncommented = re.sub(r"^# (discovery|\[pools\.kubernetes\]|\w+ =)", r"\1", text, flags=re.M)
-        parse_config(uncommented.replace('"static"', '"kubernetes"', 1))
+        start = text.index("# discovery = ")
+        end = text.index("\n\n", text.index("# [pools.kubernetes]"))
+        block = re.sub(r"^# (discovery|\[pools\.kubernetes\]|\w+ =)", r"\1", text[start:end],
+                       flags=re.M)  # fmt: skip
+        uncommented = text[:start] + block.replace('"static"', '"kubernetes"', 1) + text[end:]
+        pool = parse_config(uncommented).pools[0]
+        assert pool.discovery == "kubernetes" and pool.kubernetes is not None
+        assert pool.kubernetes.label_selector == "app.kubernetes.io/name=vllm"
 
 
 def test_config_example_command_prints_the_file(tmp_path: Path) -> None:

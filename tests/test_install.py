@@ -173,7 +173,7 @@ def test_image_default_command_with_the_image_env(envs: Envs, tmp_path: Path) ->
     assert "without a token" in refused.stderr and "KVROUTER_ADMIN_TOKEN" in refused.stderr
     ok = envs.run(envs.router, argv, **image_env, KVROUTER_ADMIN_TOKEN=TOKEN)
     assert ok.returncode == 0, ok.stderr
-    assert "ok (1 pool(s))" in ok.stdout
+    assert "ok (1 pool(s), 1 replica(s))" in ok.stdout
     helped = envs.run(envs.router, ["kvrouter", "--help"])
     assert helped.returncode == 0, helped.stderr
     for command in ("serve", "replica", "demo", "replay"):

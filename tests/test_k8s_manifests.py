@@ -245,11 +245,6 @@ def test_config_map_toml_matches_the_deployment(overlay: list[dict[str, Any]]) -
     }  # the discovery config of the issue-15 contract, every field spelt out
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="needs the Kubernetes-discovery config fields (pools.discovery, [pools.kubernetes]) "
-    "of the k8s branch; remove this mark once both branches are merged",
-)
 def test_config_map_toml_parses_with_the_router_loader(overlay: list[dict[str, Any]]) -> None:
     from router.config import parse_config
     from router.server.app import check_startup

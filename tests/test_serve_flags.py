@@ -23,7 +23,7 @@ from router.version import UNKNOWN, kvrouter_version
 
 ROOT = Path(__file__).resolve().parents[1]
 KVROUTER = [sys.executable, "-m", "router.cli"]
-LAYOUT = ROOT / "config" / "layouts" / "fa_swa.toml"
+LAYOUT = ROOT / "gpu_emitter" / "layout_files" / "fa_swa.toml"
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--layout",
         metavar="FILE",
-        help="quick start: the model's KV-cache layout file (config/layouts/*.toml format); "
+        help="quick start: the model's KV-cache layout file (as gpu_emitter/layout_files/*.toml); "
         "default: learned from the first events",
     )
     source.add_argument(
