@@ -295,6 +295,7 @@ def test_page_in_headless_chromium_shows_replicas_decisions_and_explain(
     for row in reps.values():
         assert row["health"] == "up" and row["trust"] == "dp0 exact", row
         assert row["pool"] == MODEL and row["url"].startswith("http://127.0.0.1:")
+        assert row["source"] == "static", row  # from the config file
         assert row["index"].startswith("GPU ") and int(row["index"].split()[1]) >= 0
     assert int(reps[chosen]["index"].split()[1]) > 0  # it holds the prompt's blocks
     (pool,) = dom.of("pool")

@@ -119,6 +119,7 @@
           ["pool", rep.pool],
           ["name", rep.name],
           ["url", rep.url],
+          ["source", rep.source || ""],
           ["health", health, "h-" + health],
           ["trust", trustCell],
           ["in_flight", num(rep.in_flight)],
@@ -133,7 +134,7 @@
     });
     $("replicas").replaceChildren(
       table(
-        ["pool", "replica", "url", "health", "trust", "in flight", "pending prefill",
+        ["pool", "replica", "url", "source", "health", "trust", "in flight", "pending prefill",
          "running", "waiting", "kv usage", "index blocks", "last error"],
         rows, "no replicas")
     );
