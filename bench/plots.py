@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "plot_decision_latency",
+    "plot_fleet_decisions",
     "plot_ingest",
     "plot_proxy",
     "plot_real_vllm_load",
@@ -111,6 +112,45 @@ def plot_decision_latency(points: list[tuple[int, float, str]], out_dir: Path) -
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
+
+
+def plot_fleet_decisions(doc: dict[str, Any], out_path: Path) -> list[Path]:
+    """bench/fleet_bench.py: decision p50 (µs) against replicas, log-log, one line per
+    (prompt kind, prompt length): colour by kind, line style by length. A cost that does not
+    grow with replicas is a flat line; one linear in replicas rises one decade per decade."""
+    cells = doc.get("cells") or []
+    if not cells:
+        return []
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    kinds = list(dict.fromkeys(c["kind"] for c in cells))
+    lengths = sorted({c["tokens"] for c in cells})
+    styles = ("-", "--", ":", "-.")
+    for i, kind in enumerate(kinds):
+        for j, tokens in enumerate(lengths):
+            pts = sorted(
+                (c["replicas"], c["p50_us"])
+                for c in cells
+                if c["kind"] == kind and c["tokens"] == tokens
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}",
+                        ls=styles[j % len(styles)], label=f"{kind}, {tokens:,} tokens")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    reps = sorted({c["replicas"] for c in cells})
+    ax.set_xticks(reps)
+    ax.set_xticklabels([str(r) for r in reps])
+    ax.minorticks_off()
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("decide() p50 (µs)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return [out_path]
 
 
 def plot_ingest(bars: list[tuple[str, float]], out_dir: Path) -> list[Path]:
