@@ -16,7 +16,11 @@ subscriber does, and measures:
   (replica, block) pair, beside the index's own account (``KVIndex.nbytes``, the figure its
   ``max_bytes`` budget is enforced on) and their ratio;
 - **removals** in vLLM's form (one hash per ``BlockRemoved``, 512 events per batch): decode +
-  apply (the subscriber's path) and apply alone, blocks/s.
+  apply (the subscriber's path) and apply alone, blocks/s;
+- **pool build** seconds: the router's per-replica state (``PoolState.add_replica``: an HTTP
+  client each), which no decision touches but every fleet pays at start.
+
+The cyclic garbage collector stays on, as in the router, so p99 includes its full passes.
 
 Background (every replica, "a realistic share"): ``--blocks-per-replica`` full-attention
 blocks (2,048 = 32k tokens by default, a small GPU's cache), made of 4 of 32 shared 1,024-token
