@@ -12,8 +12,8 @@ subscriber does, and measures:
   *stored* (the whole prompt cached on two replicas, and hashed by the router before: its
   memo is warm), *half-shared* (the first half is an earlier turn cached on two replicas, the
   second half new) and *novel* (no replica holds its first block);
-- **memory**: tracemalloc's count of what the background fill added to the index, per stored
-  (replica, block) pair, beside the index's own account (``KVIndex.nbytes``, the figure its
+- **memory**: tracemalloc's count of the index filled with the background from empty, per
+  stored (replica, block) pair, beside the index's own account (``KVIndex.nbytes``, the figure its
   ``max_bytes`` budget is enforced on) and their ratio;
 - **removals** in vLLM's form (one hash per ``BlockRemoved``, 512 events per batch): decode +
   apply (the subscriber's path) and apply alone, blocks/s;
@@ -144,8 +144,8 @@ class Background:
 
 
 def populate(pool: PoolState, bg: Background) -> tuple[dict, dict]:
-    """Fill the index with the background under tracemalloc; the memory row and the removal
-    sample. Only decode + apply is traced: the batches are encoded first and the decoded
+    """Fill the empty index with the background under tracemalloc; the memory row and the
+    removal sample. Only decode + apply is traced: the batches are encoded first and the decoded
     events are garbage once applied, so what stays is what the index holds."""
     keys = pool.index.replicas()
     payloads: dict = {}
@@ -158,8 +158,8 @@ def populate(pool: PoolState, bg: Background) -> tuple[dict, dict]:
     gen_s = time.perf_counter() - t0
     progress(f"  applying {sum(len(b) for b in payloads.values()):,} batches under tracemalloc")
     index = pool.index
-    pairs0, est0 = sum(s.blocks for s in index.stats()), index.nbytes()
-    keys0 = index.entries
+    if index.entries:
+        raise RuntimeError("the background must be the index's first content: it is measured")
     gc.collect()
     tracemalloc.start()
     fill_s, _ = ingest(index, payloads, 1)  # index_bench's: the subscriber's decode + apply
@@ -172,17 +172,17 @@ def populate(pool: PoolState, bg: Background) -> tuple[dict, dict]:
     bad = [s.replica for s in stats if s.trust != "exact"]
     if bad:
         raise RuntimeError(f"background fill left replicas not exact: {bad[:5]}")
-    pairs = sum(s.blocks for s in stats) - pairs0
-    estimate = index.nbytes() - est0
+    pairs = sum(s.blocks for s in stats)
+    estimate = index.nbytes()
     return {
         "pairs": pairs,
-        "keys": index.entries - keys0,
+        "keys": index.entries,
         "traced_bytes": traced,
         "estimate_bytes": estimate,
         "measured_b_per_pair": traced / pairs,
         "estimate_b_per_pair": estimate / pairs,
         "ratio": traced / estimate,
-        "measured_b_per_key": traced / max(1, index.entries - keys0),
+        "measured_b_per_key": traced / index.entries,
         "generate_s": gen_s,
         "fill_traced_s": fill_s,
     }, removals
@@ -264,13 +264,13 @@ def run_replicas(replicas: int, args: argparse.Namespace) -> tuple[list[dict], d
     t0 = time.perf_counter()
     pool = make_pool([f"r{i}" for i in range(replicas)], speculative=False, seed=args.seed)
     build_s = time.perf_counter() - t0
+    bg = Background(pool, rng, args.blocks_per_replica, args.removals)
+    mem, removals = populate(pool, bg)  # first, so tracemalloc sees the index grow from empty
     stored = {t: [token_ids(rng, t) for _ in range(PROMPTS)] for t in args.tokens}
     halves = {t: [token_ids(rng, t // 2) for _ in range(PROMPTS)] for t in args.tokens}
     for t in args.tokens:
         store(pool, stored[t])  # each on two replicas; hashed by the pool's own hasher
         store(pool, halves[t])
-    bg = Background(pool, rng, args.blocks_per_replica, args.removals)
-    mem, removals = populate(pool, bg)
     progress(
         f"{replicas} replicas: {mem['pairs']:,} (replica, block) pairs, "
         f"{mem['measured_b_per_pair']:.1f} B each (index estimate "
