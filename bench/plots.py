@@ -125,7 +125,7 @@ def plot_fleet_decisions(doc: dict[str, Any], out_path: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     kinds = list(dict.fromkeys(c["kind"] for c in cells))
     lengths = sorted({c["tokens"] for c in cells})
-    styles = ("-", "--", ":", "-.")
+    styles, markers = ("-", "--", "-.", ":"), ("o", "s", "^", "D")
     for i, kind in enumerate(kinds):
         for j, tokens in enumerate(lengths):
             pts = sorted(
@@ -134,18 +134,23 @@ def plot_fleet_decisions(doc: dict[str, Any], out_path: Path) -> list[Path]:
                 if c["kind"] == kind and c["tokens"] == tokens
             )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}",
-                        ls=styles[j % len(styles)], label=f"{kind}, {tokens:,} tokens")  # fmt: skip
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{i}",
+                        marker=markers[j % 4], ls=styles[j % 4],
+                        label=f"{kind}, {tokens:,} tokens")  # fmt: skip
+    # a cost linear in replicas, through the smallest fleet's cheapest cell: the slope to beat
+    lo = min(reps := sorted({c["replicas"] for c in cells}))
+    base = min(c["p50_us"] for c in cells if c["replicas"] == lo)
+    ax.plot(reps, [base * r / lo for r in reps], color="gray", ls=":", lw=1,
+            label="linear in replicas")  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")
-    reps = sorted({c["replicas"] for c in cells})
     ax.set_xticks(reps)
     ax.set_xticklabels([str(r) for r in reps])
     ax.minorticks_off()
     ax.set_xlabel("replicas")
     ax.set_ylabel("decide() p50 (µs)")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, handlelength=3)
     fig.tight_layout()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=110)
