@@ -19,15 +19,17 @@ OWN = 256  # blocks each replica holds alone
 
 
 def _fill(replicas: int, seed: int) -> KVIndex:
-    """An index of ``replicas`` replicas, each holding one of four shared prompts, its own
-    blocks and a sliding-window tail, built from hashes made here (so tracemalloc sees them)."""
+    """An index of ``replicas`` replicas, each holding one of four shared prompts (in three
+    copies), its own blocks and a sliding-window tail, built from hashes made here (so
+    tracemalloc sees them)."""
     rng = random.Random(seed)
     index = KVIndex(FA_SWA, verify_hashes=False)
     systems = [[rng.getrandbits(64) for _ in range(SHARED)] for _ in range(4)]
     for r in range(replicas):
         key = index.add_replica(f"r{r}")
         own = [rng.getrandbits(64) for _ in range(OWN)]
-        events = [stored(rng.choice(systems), 0)]
+        # the system prompt stored three times: two extra copies of each of its blocks
+        events = [stored(rng.choice(systems), 0)] * 3
         events += [stored(own[i : i + 64], 0) for i in range(0, OWN, 64)]
         events.append(stored(own[-4:], 1, "sliding_window"))
         index.apply_events(key, events)

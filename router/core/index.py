@@ -23,7 +23,7 @@ Memory is accounted in bytes and bounded by ``IndexLimits.max_bytes``. The accou
 the tables as allocated (``sys.getsizeof`` of each dict, O(tables)), one hash object per key
 (its size sampled once: a pool's hashes share one type), each key's replica bitmask by its
 width (a Python int grows 4 bytes per 30 bits of slots, so masks of high slots cost more; the
-ingest updates this part only when a mask's highest bit moves), a tuple per extra copy and
+ingest updates this part only when a mask's highest bit moves), a tuple per side-table entry and
 ~1.2 kB per replica's own records. tests/test_index_memory.py holds it within 10 % of
 tracemalloc at 8-256 replicas, and bench/fleet_bench.py reports the ratio up to 1024.
 When the account exceeds the budget, the oldest-inserted keys of the largest table are
@@ -92,7 +92,8 @@ _DIGIT_BITS = sys.int_info.bits_per_digit
 _DIGIT_BYTES = sys.int_info.sizeof_digit
 _INT_BASE = sys.getsizeof(1) - _DIGIT_BYTES
 _SMALL_INT = 256
-#: A side-table copy: its ``(slot, hash)`` tuple (the hash object itself is counted apart).
+#: A side-table entry: its ``(slot, hash)`` tuple (the hash object is counted apart). One per
+#: (replica, key) with copies, whatever their number: the count is a shared small int.
 _EXTRA_BYTES = sys.getsizeof((0, 0))
 #: One replica's own records (its _Replica, counters and small dicts), measured by tracemalloc.
 _REPLICA_BYTES = 1200
@@ -1160,8 +1161,8 @@ class KVIndex:
 
     def nbytes(self) -> int:
         """The memory account of the index (module docstring), in bytes: the tables as
-        allocated, a hash object per key and per side-table copy, every key's mask by its
-        width, and each replica's own records. O(tables + 1); called after every batch."""
+        allocated, a hash object per key and per side-table entry, every key's mask by its
+        width, and each replica's own records. O(tables); called after every batch."""
         key = self._key_size
         if key is None:
             key = self._key_size = self._sample_key_size()
@@ -1170,7 +1171,7 @@ class KVIndex:
         return (
             sum(map(sys.getsizeof, self._dicts))
             + self.entries * key
-            + self.extra_entries * (_EXTRA_BYTES + key)
+            + sum(map(len, self._dicts[1::2])) * (_EXTRA_BYTES + key)
             + self.mask_bytes
             + len(self._replicas) * _REPLICA_BYTES
         )
