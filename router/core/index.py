@@ -785,10 +785,10 @@ class KVIndex:
                             del table[h]
                             entries -= 1
                         else:
-                            was, m = m, m & ~bit
-                            if was < above and m < low:  # the highest bit went: narrower
-                                masks += _mask_bytes(m) - top
-                            table[h] = m
+                            rest = m ^ bit  # bit is set: its holders without this replica
+                            if m < above and rest < low:  # the highest bit went: narrower
+                                masks += _mask_bytes(rest) - top
+                            table[h] = rest
                     counters["removed_blocks"] += len(ev.block_hashes)
                 elif cls is AllBlocksCleared:
                     self.entries, rep.blocks = entries, held
