@@ -18,20 +18,26 @@ The index never guesses: a replica whose stream lost events it cannot recover, w
 contradicts the pool's, or whose hashes fail the live conformance check is marked untrusted
 (with the reason) and predicts no hit until a known state returns.
 
-Memory is accounted in bytes and bounded by ``IndexLimits.max_bytes``. The account is 72
-bytes per key (the uint64 int object plus its amortised dict slot; bench/index_bench.py
-measures 70 with tracemalloc on CPython 3.11 at a million keys) and 120 per extra copy. When
-the account exceeds the budget, the oldest-inserted keys of the largest table are reclaimed,
-10 % at a time, until it is under 90 % of the budget (dicts keep insertion order, so this is
-FIFO by first store). Reclaimed keys
-only ever make predictions lower than the truth (a missing key cannot create a hit), and their
-later removals are ignored like any unknown hash.
+Memory is accounted in bytes and bounded by ``IndexLimits.max_bytes``. The account
+(:meth:`KVIndex.nbytes`) follows what the index holds, as tracemalloc measures it on CPython:
+the tables as allocated (``sys.getsizeof`` of each dict, O(tables)), one hash object per key
+(its size sampled once: a pool's hashes share one type), each key's replica bitmask by its
+width (a Python int grows 4 bytes per 30 bits of slots, so masks of high slots cost more; the
+ingest updates this part only when a mask's highest bit moves), a tuple per side-table entry and
+~1.2 kB per replica's own records. tests/test_index_memory.py holds it within 10 % of
+tracemalloc at 8-256 replicas, and bench/fleet_bench.py reports the ratio up to 1024.
+When the account exceeds the budget, the oldest-inserted keys of the largest table are
+reclaimed, 10 % at a time, until it is under 90 % of the budget (dicts keep insertion order,
+so this is FIFO by first store; a dict does not shrink, so its allocation stays counted).
+Reclaimed keys only ever make predictions lower than the truth (a missing key cannot create a
+hit), and their later removals are ignored like any unknown hash.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -80,9 +86,28 @@ Trust = Literal["exact", "partial", "untrusted"]
 #: A routing target: a replica name and a DP rank (each rank is its own cache, §6.7).
 ReplicaKey = tuple[str, int]
 
-#: Bytes per key (int object + amortised dict slot) and per side-table copy entry.
-_KEY_BYTES = 72
-_EXTRA_BYTES = 120
+#: CPython's int layout: a header plus one digit per ``bits_per_digit`` bits (24 + 4 bytes per
+#: 30 bits on 64-bit builds). Ints below 256 are shared singletons and cost a mask nothing.
+_DIGIT_BITS = sys.int_info.bits_per_digit
+_DIGIT_BYTES = sys.int_info.sizeof_digit
+_INT_BASE = sys.getsizeof(1) - _DIGIT_BYTES
+_SMALL_INT = 256
+#: A side-table entry: its ``(slot, hash)`` tuple (the hash object is counted apart). One per
+#: (replica, key) with copies, whatever their number: the count is a shared small int.
+_EXTRA_BYTES = sys.getsizeof((0, 0))
+#: One replica's own records (its _Replica, counters and small dicts), measured by tracemalloc.
+_REPLICA_BYTES = 1200
+
+
+def _mask_bytes(m: int) -> int:
+    """Bytes of the int object holding replica bitmask ``m``, by its highest bit: 0 below 256
+    (the interpreter's shared small ints), else the header and one digit per 30 bits. The mask
+    of exactly 256 is counted though shared (28 bytes too many on keys only slot 8 holds): the
+    size then depends on the highest bit alone, so the ingest hot path updates it only when
+    that bit moves (KVIndex.apply_events)."""
+    if m < _SMALL_INT:
+        return 0
+    return _INT_BASE + _DIGIT_BYTES * (-(-m.bit_length() // _DIGIT_BITS))
 
 
 class UnknownReplica(KeyError):
@@ -114,7 +139,8 @@ class IndexLimits:
     """Bounds and sampling rates; the defaults suit a few million cached blocks."""
 
     max_bytes: int = 2 << 30
-    """Memory budget of the tables (about 70 bytes per key); over it, keys are reclaimed."""
+    """Memory budget of the index (KVIndex.nbytes: 70-160 bytes per key, more with more
+    replicas); over it, keys are reclaimed."""
     conformance_first: int = 64
     """Root full-attention stores re-hashed per replica before sampling starts."""
     conformance_every: int = 32
@@ -170,6 +196,12 @@ class _Replica:
     dp_rank: int
     slot: int
     bit: int
+    mask_top: int = 0
+    """Bytes of a mask whose highest bit is this replica's (_mask_bytes)."""
+    mask_low: int = 0
+    """Masks below ``bit`` and at or above this have the size ``mask_top`` (0 when every mask
+    below ``bit`` costs what ``mask_top`` does): setting or clearing this replica's bit on
+    them leaves the account as it is, so only masks below it need ``_mask_bytes``."""
     trusted: bool = True
     untrusted_reason: str | None = None
     partial_reason: str | None = None
@@ -214,6 +246,14 @@ class _Replica:
         )
     )
 
+    def __post_init__(self) -> None:
+        self.mask_top = _mask_bytes(self.bit)
+        if self.bit < _SMALL_INT:
+            self.mask_low = 0
+        else:
+            digit_start = 1 << (_DIGIT_BITS * (self.slot // _DIGIT_BITS))
+            self.mask_low = max(_SMALL_INT, digit_start)
+
     @property
     def trust(self) -> Trust:
         if not self.trusted:
@@ -224,16 +264,19 @@ class _Replica:
 class _Tier:
     """Tables of one storage tier: per group, hash -> replica bitmask, plus extra copies."""
 
-    __slots__ = ("extra", "tables")
+    __slots__ = ("dicts", "extra", "tables")
 
-    def __init__(self) -> None:
+    def __init__(self, dicts: list[dict]) -> None:
         self.tables: list[dict[object, int]] = []
         self.extra: list[dict[tuple[int, object], int]] = []
+        self.dicts = dicts
+        """Every table of the index, shared by its tiers, so KVIndex.nbytes sums them fast."""
 
     def group(self, g: int) -> tuple[dict[object, int], dict[tuple[int, object], int]]:
         while len(self.tables) <= g:
             self.tables.append({})
             self.extra.append({})
+            self.dicts += (self.tables[-1], self.extra[-1])
         return self.tables[g], self.extra[g]
 
 
@@ -298,7 +341,8 @@ class KVIndex:
         self._memo_entries = hash_memo_entries
         self._hasher: BlockHasher | None = None
         self._hasher_for: tuple | None = None
-        self._tiers = {t: _Tier() for t in TIERS}
+        self._dicts: list[dict] = []
+        self._tiers = {t: _Tier(self._dicts) for t in TIERS}
         self._tier_of: dict[object, str] = {None: "GPU", **{t: t for t in TIERS}}
         self._replicas: dict[ReplicaKey, _Replica] = {}
         self._free_slots: list[int] = []
@@ -309,6 +353,11 @@ class KVIndex:
         self._resolved: ResolvedLayout | None = resolve(layout) if layout.groups else None
         self.entries = 0
         self.extra_entries = 0
+        self.mask_bytes = 0
+        """Sum of _mask_bytes over every key's mask, kept as masks change."""
+        self._key_size: int | None = None
+        """Bytes of one hash object, sampled from the first key held (a pool's hashes share
+        one type and width)."""
         self.reclaimed = 0
         self.generation = 0
         """Bumped on every state change; lets callers cache per-generation results."""
@@ -404,7 +453,7 @@ class KVIndex:
                 log.warning("snapshot layout of pool %r not usable: %s", self.pool, exc)
         for tier_name, groups in snap.tiers.items():
             if tier_name not in self._tiers:
-                self._tiers[tier_name] = _Tier()
+                self._tiers[tier_name] = _Tier(self._dicts)
             tier = self._tiers[tier_name]
             for g, keys in enumerate(groups):
                 if not keys or g >= self.limits.max_groups:
@@ -626,10 +675,15 @@ class KVIndex:
         if rep.down:
             self._back_up(rep)
         bit, slot, counters = rep.bit, rep.slot, rep.counters
+        top, low, above = rep.mask_top, rep.mask_low, bit << 1
         tiers, tier_of = self._tiers, self._tier_of
         max_groups, max_block = self.limits.max_groups, self.limits.max_block_size
-        entries = self.entries
+        entries = entries0 = self.entries
         held = rep.blocks
+        # A key this replica alone holds has a mask of size ``top``: it is created and deleted
+        # in step with ``entries``, so those masks are added as top * (entries - entries0)
+        # when the account is written back; ``masks`` gathers only the widened and narrowed.
+        masks = self.mask_bytes
         try:
             for ev in events:
                 cls = type(ev)
@@ -692,6 +746,8 @@ class KVIndex:
                         else:
                             if not m:
                                 entries += 1
+                            elif m < low:  # this bit becomes the highest and widens the mask
+                                masks += top - _mask_bytes(m)
                             table[h] = m | bit
                             held += 1
                     counters["stored_blocks"] += len(ev.block_hashes)
@@ -724,18 +780,22 @@ class KVIndex:
                             else:
                                 extra[k] = c - 1
                             continue
-                        m &= ~bit
                         held -= 1
-                        if m:
-                            table[h] = m
-                        else:
+                        if m == bit:
                             del table[h]
                             entries -= 1
+                        else:
+                            rest = m ^ bit  # bit is set: its holders without this replica
+                            if m < above and rest < low:  # the highest bit went: narrower
+                                masks += _mask_bytes(rest) - top
+                            table[h] = rest
                     counters["removed_blocks"] += len(ev.block_hashes)
                 elif cls is AllBlocksCleared:
                     self.entries, rep.blocks = entries, held
+                    self.mask_bytes = masks + top * (entries - entries0)
                     self._known_empty(rep)
-                    entries, held = self.entries, 0
+                    entries = entries0 = self.entries
+                    held, masks = 0, self.mask_bytes
                     counters["clears"] += 1
                 elif cls is UnknownEvent:
                     counters["unknown_events"] += 1
@@ -751,6 +811,7 @@ class KVIndex:
         finally:
             self.entries = entries
             rep.blocks = held
+            self.mask_bytes = masks + top * (entries - entries0)
             self.generation += 1
         if self.nbytes() > self.limits.max_bytes:
             while self.entries and self.nbytes() > 0.9 * self.limits.max_bytes:
@@ -778,7 +839,7 @@ class KVIndex:
                     f"medium {medium!r}: over {self.limits.max_extra_tiers} extra tiers",
                 )
                 return None
-            self._tiers[name] = _Tier()
+            self._tiers[name] = _Tier(self._dicts)
             rep.tiers_made += 1
         if len(self._tier_of) < 256:  # spellings are memoized, but never without bound
             self._tier_of[medium] = name
@@ -901,6 +962,7 @@ class KVIndex:
             return False
         if not m:
             self.entries += 1
+        self.mask_bytes += _mask_bytes(m | rep.bit) - _mask_bytes(m)
         table[h] = m | rep.bit
         rep.blocks += 1
         return True
@@ -1020,6 +1082,8 @@ class KVIndex:
         if not rep.blocks and not rep.extra:
             return
         bit, slot, keep = rep.bit, rep.slot, ~rep.bit
+        top, above = rep.mask_top, bit << 1
+        masks = 0  # the change to the account
         for tier in self._tiers.values():
             for table, extra in zip(tier.tables, tier.extra, strict=True):
                 dead = []
@@ -1027,14 +1091,18 @@ class KVIndex:
                     if m & bit:
                         if m == bit:
                             dead.append(h)
+                            masks -= top
                         else:
                             table[h] = m & keep
+                            if m < above:
+                                masks += _mask_bytes(m & keep) - top
                 for h in dead:
                     del table[h]
                 self.entries -= len(dead)
                 for k in [k for k in extra if k[0] == slot]:
                     self.extra_entries -= extra.pop(k) - 1
         rep.blocks = rep.extra = 0
+        self.mask_bytes += masks
         self.generation += 1
 
     def _reclaim(self) -> None:
@@ -1051,6 +1119,7 @@ class KVIndex:
         by_slot = {rep.slot: rep for rep in self._replicas.values()}
         for h in victims:
             m = table.pop(h)
+            self.mask_bytes -= _mask_bytes(m)
             while m:
                 low = m & -m
                 m ^= low
@@ -1091,8 +1160,40 @@ class KVIndex:
     # ------------------------------------------------------------------ stats
 
     def nbytes(self) -> int:
-        """The memory account of the tables (module docstring), in bytes."""
-        return self.entries * _KEY_BYTES + self.extra_entries * _EXTRA_BYTES
+        """The memory account of the index (module docstring), in bytes: the tables as
+        allocated, a hash object per key and per side-table entry, every key's mask by its
+        width, and each replica's own records. O(tables); called after every batch."""
+        key = self._key_size
+        if key is None:
+            key = self._key_size = self._sample_key_size()
+            if key is None:
+                key = 0
+        return (
+            sum(map(sys.getsizeof, self._dicts))
+            + self.entries * key
+            + sum(map(len, self._dicts[1::2])) * (_EXTRA_BYTES + key)
+            + self.mask_bytes
+            + len(self._replicas) * _REPLICA_BYTES
+        )
+
+    def _sample_key_size(self) -> int | None:
+        """The size of one held hash object, or None (nothing held yet: the account is then
+        the tables' own size). Read once: a table's first key is found in O(1) only until
+        keys from its start are removed, so it is not looked at again."""
+        for table in self._dicts[::2]:
+            for h in table:
+                return sys.getsizeof(h)
+        return None
+
+    def recount_bytes(self) -> int:
+        """:meth:`nbytes` with the masks' part recomputed from every mask (O(index)); tests
+        compare it with the account kept as events apply."""
+        kept = self.mask_bytes
+        self.mask_bytes = sum(_mask_bytes(m) for d in self._dicts[::2] for m in d.values())
+        try:
+            return self.nbytes()
+        finally:
+            self.mask_bytes = kept
 
     def stats(self) -> list[ReplicaStats]:
         """Per replica: trust, held keys and copies, and every ingest counter. O(replicas),
