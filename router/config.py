@@ -50,6 +50,7 @@ __all__ = [
     "env_overrides",
     "is_loopback",
     "load_config",
+    "parse_bool",
     "parse_config",
 ]
 
@@ -625,6 +626,17 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
     return out
 
 
+def parse_bool(value: str) -> bool | None:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case, spaces around) as a bool; ``None``
+    for anything else, which the caller refuses in its own words (env, flags)."""
+    low = value.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
 def _coerce(cls: type, field: str, value: Any) -> Any:
     """A string from env or flags, as the field's type wants it (the Struct validates)."""
     if not isinstance(value, str):
@@ -633,12 +645,8 @@ def _coerce(cls: type, field: str, value: Any) -> Any:
     if isinstance(default, tuple):  # a list from env: comma-separated
         return [x.strip() for x in value.split(",") if x.strip()]
     if isinstance(default, bool):
-        low = value.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        return value
+        flag = parse_bool(value)
+        return value if flag is None else flag
     for typ in (int, float):
         if isinstance(default, typ):
             try:

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from router.config import ConfigError, RouterConfig, convert_config
+from router.config import ConfigError, RouterConfig, convert_config, parse_bool
 
 __all__ = ["REPLICA_KEYS", "config_from_flags", "default_replica_name", "parse_replica"]
 
@@ -37,8 +37,6 @@ REPLICA_KEYS = {
     "topic": "topic",
     "metrics_path": "metrics_path",
 }
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 _NOT_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 _AT = re.compile(r"^(?P<msg>.*) - at `\$\.pools\[0\](?P<path>[^`]*)`$", re.S)
 _REPLICA_PATH = re.compile(r"^\.replicas\[(?P<i>\d+)\](?P<rest>.*)$")
@@ -93,9 +91,9 @@ def _option_value(spec: str, key: str, value: str) -> Any:
                 f"--replica {spec!r}: dp_ranks={value!r}: list ranks joined by '+' (0+1+2+3)"
             ) from None
     if key == "bind":
-        low = value.lower()
-        if low in _TRUE or low in _FALSE:
-            return low in _TRUE
+        flag = parse_bool(value)
+        if flag is not None:
+            return flag
         raise ConfigError(f"--replica {spec!r}: bind={value!r}: write true or false")
     if key == "metrics_path" and value.lower() == "none":
         return None
