@@ -18,6 +18,11 @@ SHARED = 64  # blocks of each shared system prompt
 OWN = 256  # blocks each replica holds alone
 
 
+def _fresh(h: int) -> int:
+    """An int equal to ``h`` in its own object (``h + 0`` may return ``h`` itself)."""
+    return int.from_bytes(h.to_bytes(8, "big"), "big")
+
+
 def _fill(replicas: int, seed: int) -> KVIndex:
     """An index of ``replicas`` replicas, each holding one of four shared prompts (in three
     copies), its own blocks and a sliding-window tail, built from hashes made here (so
@@ -28,8 +33,10 @@ def _fill(replicas: int, seed: int) -> KVIndex:
     for r in range(replicas):
         key = index.add_replica(f"r{r}")
         own = [rng.getrandbits(64) for _ in range(OWN)]
-        # the system prompt stored three times: two extra copies of each of its blocks
-        events = [stored(rng.choice(systems), 0)] * 3
+        # the system prompt stored three times: two extra copies of each of its blocks, each
+        # event with its own hash objects, as every event decoded from the wire has
+        system = rng.choice(systems)
+        events = [stored([_fresh(h) for h in system], 0) for _ in range(3)]
         events += [stored(own[i : i + 64], 0) for i in range(0, OWN, 64)]
         events.append(stored(own[-4:], 1, "sliding_window"))
         index.apply_events(key, events)

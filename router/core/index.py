@@ -21,11 +21,14 @@ contradicts the pool's, or whose hashes fail the live conformance check is marke
 Memory is accounted in bytes and bounded by ``IndexLimits.max_bytes``. The account
 (:meth:`KVIndex.nbytes`) follows what the index holds, as tracemalloc measures it on CPython:
 the tables as allocated (``sys.getsizeof`` of each dict, O(tables)), one hash object per key
-(its size sampled once: a pool's hashes share one type), each key's replica bitmask by its
-width (a Python int grows 4 bytes per 30 bits of slots, so masks of high slots cost more; the
-ingest updates this part only when a mask's highest bit moves), a tuple per side-table entry and
-~1.2 kB per replica's own records. tests/test_index_memory.py holds it within 10 % of
-tracemalloc at 8-256 replicas, and bench/fleet_bench.py reports the ratio up to 1024.
+(its size sampled once: a pool's hashes share one type), the replica bitmask of each key two
+or more replicas hold, by its width (a Python int grows 4 bytes per 30 bits of slots, so masks
+of high slots cost more; the ingest updates this part only when a mask's highest bit moves), a
+tuple per side-table entry and ~1.2 kB per replica's own records. A key one replica alone holds
+(most keys: conversations, one-offs) stores that replica's own bit object as its mask, so it
+costs no int of its own: at 64 replicas that was 36 of 110 bytes per key, at 256 replicas 60.
+tests/test_index_memory.py holds the account within 10 % of tracemalloc at 8-256 replicas,
+and bench/fleet_bench.py reports the ratio up to 1024.
 When the account exceeds the budget, the oldest-inserted keys of the largest table are
 reclaimed, 10 % at a time, until it is under 90 % of the budget (dicts keep insertion order,
 so this is FIFO by first store; a dict does not shrink, so its allocation stays counted).
@@ -108,6 +111,13 @@ def _mask_bytes(m: int) -> int:
     if m < _SMALL_INT:
         return 0
     return _INT_BASE + _DIGIT_BYTES * (-(-m.bit_length() // _DIGIT_BITS))
+
+
+def _held_bytes(m: int) -> int:
+    """What the mask ``m`` stored as a key's value costs: nothing for a single holder, whose
+    mask is its replica's own bit object (shared by every key it alone holds), else
+    :func:`_mask_bytes`."""
+    return _mask_bytes(m) if m & (m - 1) else 0
 
 
 class UnknownReplica(KeyError):
@@ -354,7 +364,11 @@ class KVIndex:
         self.entries = 0
         self.extra_entries = 0
         self.mask_bytes = 0
-        """Sum of _mask_bytes over every key's mask, kept as masks change."""
+        """Sum of _held_bytes over every key's mask, kept as masks change."""
+        self._bit_objs: dict[int, int] = {}
+        """Each slot's bit, one int object per slot: a key one replica alone holds stores
+        this object as its mask, so the most common keys cost no mask of their own (a fresh
+        ``1 << 63`` is 36 bytes, ``1 << 255`` 60)."""
         self._key_size: int | None = None
         """Bytes of one hash object, sampled from the first key held (a pool's hashes share
         one type and width)."""
@@ -371,7 +385,8 @@ class KVIndex:
             slot = self._free_slots.pop() if self._free_slots else self._next_slot
             if slot == self._next_slot:
                 self._next_slot += 1
-            self._replicas[key] = _Replica(name, dp_rank, slot, 1 << slot)
+            bit = 1 << slot
+            self._replicas[key] = _Replica(name, dp_rank, slot, self._bit_objs.setdefault(bit, bit))
         return key
 
     def remove_replica(self, name: str, dp_rank: int | None = None) -> None:
@@ -676,13 +691,12 @@ class KVIndex:
             self._back_up(rep)
         bit, slot, counters = rep.bit, rep.slot, rep.counters
         top, low, above = rep.mask_top, rep.mask_low, bit << 1
-        tiers, tier_of = self._tiers, self._tier_of
+        tiers, tier_of, bit_objs = self._tiers, self._tier_of, self._bit_objs
         max_groups, max_block = self.limits.max_groups, self.limits.max_block_size
-        entries = entries0 = self.entries
+        entries = self.entries
         held = rep.blocks
-        # A key this replica alone holds has a mask of size ``top``: it is created and deleted
-        # in step with ``entries``, so those masks are added as top * (entries - entries0)
-        # when the account is written back; ``masks`` gathers only the widened and narrowed.
+        # A key this replica alone holds stores ``bit`` itself (shared, no cost); ``masks``
+        # follows the masks of two holders or more as they appear, widen, narrow and go.
         masks = self.mask_bytes
         try:
             for ev in events:
@@ -743,12 +757,17 @@ class KVIndex:
                             extra[k] = extra.get(k, 1) + 1
                             self.extra_entries += 1
                             rep.extra += 1
+                        elif not m:
+                            table[h] = bit
+                            entries += 1
+                            held += 1
                         else:
-                            if not m:
-                                entries += 1
+                            n = m | bit
+                            if not m & (m - 1):  # a second holder: the key gets its own mask
+                                masks += _mask_bytes(n)
                             elif m < low:  # this bit becomes the highest and widens the mask
                                 masks += top - _mask_bytes(m)
-                            table[h] = m | bit
+                            table[h] = n
                             held += 1
                     counters["stored_blocks"] += len(ev.block_hashes)
                 elif cls is BlockRemoved:
@@ -786,15 +805,18 @@ class KVIndex:
                             entries -= 1
                         else:
                             rest = m ^ bit  # bit is set: its holders without this replica
-                            if m < above and rest < low:  # the highest bit went: narrower
-                                masks += _mask_bytes(rest) - top
-                            table[h] = rest
+                            if not rest & (rest - 1):  # one holder left: its shared bit
+                                masks -= _mask_bytes(m)
+                                table[h] = bit_objs.get(rest, rest)
+                            else:
+                                if m < above and rest < low:  # the highest bit went: narrower
+                                    masks += _mask_bytes(rest) - top
+                                table[h] = rest
                     counters["removed_blocks"] += len(ev.block_hashes)
                 elif cls is AllBlocksCleared:
-                    self.entries, rep.blocks = entries, held
-                    self.mask_bytes = masks + top * (entries - entries0)
+                    self.entries, rep.blocks, self.mask_bytes = entries, held, masks
                     self._known_empty(rep)
-                    entries = entries0 = self.entries
+                    entries = self.entries
                     held, masks = 0, self.mask_bytes
                     counters["clears"] += 1
                 elif cls is UnknownEvent:
@@ -811,7 +833,7 @@ class KVIndex:
         finally:
             self.entries = entries
             rep.blocks = held
-            self.mask_bytes = masks + top * (entries - entries0)
+            self.mask_bytes = masks
             self.generation += 1
         if self.nbytes() > self.limits.max_bytes:
             while self.entries and self.nbytes() > 0.9 * self.limits.max_bytes:
@@ -962,8 +984,10 @@ class KVIndex:
             return False
         if not m:
             self.entries += 1
-        self.mask_bytes += _mask_bytes(m | rep.bit) - _mask_bytes(m)
-        table[h] = m | rep.bit
+            table[h] = rep.bit
+        else:
+            self.mask_bytes += _mask_bytes(m | rep.bit) - _held_bytes(m)
+            table[h] = m | rep.bit
         rep.blocks += 1
         return True
 
@@ -1081,7 +1105,7 @@ class KVIndex:
         events, would otherwise cost a full scan per frame on the serving loop."""
         if not rep.blocks and not rep.extra:
             return
-        bit, slot, keep = rep.bit, rep.slot, ~rep.bit
+        bit, slot, keep, bit_objs = rep.bit, rep.slot, ~rep.bit, self._bit_objs
         top, above = rep.mask_top, bit << 1
         masks = 0  # the change to the account
         for tier in self._tiers.values():
@@ -1091,11 +1115,15 @@ class KVIndex:
                     if m & bit:
                         if m == bit:
                             dead.append(h)
-                            masks -= top
+                            continue
+                        rest = m & keep
+                        if not rest & (rest - 1):  # one holder left: its shared bit
+                            table[h] = bit_objs.get(rest, rest)
+                            masks -= _mask_bytes(m)
                         else:
-                            table[h] = m & keep
+                            table[h] = rest
                             if m < above:
-                                masks += _mask_bytes(m & keep) - top
+                                masks += _mask_bytes(rest) - top
                 for h in dead:
                     del table[h]
                 self.entries -= len(dead)
@@ -1119,7 +1147,7 @@ class KVIndex:
         by_slot = {rep.slot: rep for rep in self._replicas.values()}
         for h in victims:
             m = table.pop(h)
-            self.mask_bytes -= _mask_bytes(m)
+            self.mask_bytes -= _held_bytes(m)
             while m:
                 low = m & -m
                 m ^= low
@@ -1189,7 +1217,7 @@ class KVIndex:
         """:meth:`nbytes` with the masks' part recomputed from every mask (O(index)); tests
         compare it with the account kept as events apply."""
         kept = self.mask_bytes
-        self.mask_bytes = sum(_mask_bytes(m) for d in self._dicts[::2] for m in d.values())
+        self.mask_bytes = sum(_held_bytes(m) for d in self._dicts[::2] for m in d.values())
         try:
             return self.nbytes()
         finally:
