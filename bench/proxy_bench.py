@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -53,9 +54,9 @@ TICK = os.sysconf("SC_CLK_TCK")
 SCHEDSTAT = Path("/proc/self/schedstat").exists()
 
 BACKEND = r"""
-import sys, msgspec, uvicorn
+import sys, collections, msgspec, uvicorn
 from events.publisher import EventPublisher
-port = int(sys.argv[1])
+port, events_on, capacity = int(sys.argv[1]), sys.argv[2] == "events", int(sys.argv[3])
 pub = EventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
 print(pub.endpoint, pub.replay_endpoint, flush=True)
 usage = {"prompt_tokens": 2001, "completion_tokens": 8, "total_tokens": 2009,
@@ -65,6 +66,45 @@ JSON = msgspec.json.encode({"id": "x", "object": "text_completion", "model": "be
 CHUNKS = [b"data: " + msgspec.json.encode({"id": "x", "choices": [{"index": 0, "text": " w1"}]})
           + b"\n\n" for _ in range(8)]
 LAST = b"data: " + msgspec.json.encode({"id": "x", "choices": [], "usage": usage}) + b"\n\n"
+if events_on:
+    from events.hashing import BlockHasher
+    from events.layout import HashSettings
+    from events.schema import BlockRemoved, BlockStored
+    from gpu_emitter.tokenizer import encode
+    hasher = BlockHasher(HashSettings(), 16)
+cache = collections.OrderedDict()  # (group, hash) -> None, least recently used first
+def tokens(body):
+    prompt = msgspec.json.decode(body).get("prompt", "")
+    return encode(prompt) if events_on else [7] * 2001
+def publish(ids):
+    # what vLLM publishes for a prompt it had not wholly cached: per group, BlockStored of the
+    # blocks from the first one missing (full attention: to the end; sliding window 64: its
+    # last 4) with their parent and token ids, and one BlockRemoved per block evicted (LRU over
+    # capacity). A block cached behind the first missing one is dropped first (BlockRemoved),
+    # so every store is one contiguous run and the router's index holds no copies.
+    wires = hasher.wire_chain(ids)
+    n = len(wires)
+    batch = []
+    for g, start in ((0, 0), (1, max(0, n - 4))):
+        i0 = next((i for i in range(start, n) if (g, wires[i]) not in cache), n)
+        for i in range(start, i0):
+            cache.move_to_end((g, wires[i]))
+        if i0 == n:
+            continue
+        for h in wires[i0:]:
+            if cache.pop((g, h), 0) is None:
+                batch.append(BlockRemoved(block_hashes=[h], group_idx=g, medium="GPU"))
+            cache[(g, h)] = None
+        batch.append(BlockStored(block_hashes=wires[i0:], block_size=16, group_idx=g,
+                                 medium="GPU", parent_block_hash=wires[i0 - 1] if i0 else None,
+                                 token_ids=ids[16 * i0 : 16 * n]))
+    while len(cache) > capacity:
+        (g, h), _ = cache.popitem(last=False)
+        batch.append(BlockRemoved(block_hashes=[h], group_idx=g, medium="GPU"))
+    if batch:
+        pub.publish(batch)
+        stats[0] += sum(len(e.block_hashes) for e in batch)
+stats = [0]
 async def app(scope, receive, send):
     if scope["type"] != "http":
         return
@@ -72,9 +112,19 @@ async def app(scope, receive, send):
     body = b""
     while more:
         m = await receive(); body += m.get("body", b""); more = m.get("more_body", False)
-    if scope["path"] == "/metrics":
+    path = scope["path"]
+    if path == "/metrics":
+        text = f"bench_event_blocks_total {stats[0]}\n".encode()
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b""}); return
+        await send({"type": "http.response.body", "body": text}); return
+    if path.endswith("/render"):  # vllm-router asks for the token ids before each request
+        out = msgspec.json.encode([{"request_id": "x", "token_ids": tokens(body)}])
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out}); return
+    if events_on and path == "/v1/completions":
+        publish(tokens(body))
     if b'"stream":true' in body:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
@@ -98,18 +148,76 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_backend(env: dict) -> tuple[subprocess.Popen, int, str, str]:
+def start_backend(
+    env: dict, events: bool = False, capacity: int = 4096
+) -> tuple[subprocess.Popen, int, str, str]:
     """One fake backend (``BACKEND``) on a free port, listening: the process, its port, and
-    its event and replay endpoints."""
+    its event and replay endpoints. With ``events`` it publishes what vLLM would for each
+    prompt, with a cache of ``capacity`` blocks (LRU)."""
     port = free_port()
+    mode = "events" if events else "quiet"
     p = subprocess.Popen(
-        [sys.executable, "-c", BACKEND, str(port)],
+        [sys.executable, "-c", BACKEND, str(port), mode, str(capacity)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )  # fmt: skip
     assert p.stdout is not None
     ep, rep = p.stdout.readline().split()
     wait_port(port, p)
     return p, port, ep, rep
+
+
+@dataclasses.dataclass
+class _Pid:
+    """A process the bench did not start itself (it has a pid, no Popen)."""
+
+    pid: int
+
+
+def _listener_pid(port: int) -> int:
+    """The process listening on 127.0.0.1:``port`` (from /proc/net/tcp and /proc/*/fd)."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "0A" and int(f[1].split(":")[1], 16) == port:
+            inode = f[9]
+    if inode is None:
+        raise SystemExit(f"nothing listens on port {port}")
+    target = f"socket:[{inode}]"
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) == target:
+                return int(fd.parent.parent.name)
+    raise SystemExit(f"no process found for the listener on port {port}")
+
+
+def _event_blocks(port: int) -> int:
+    """Blocks a backend has published in KV events (stored + removed), from its /metrics."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    for line in data.decode().splitlines():
+        if line.startswith("bench_event_blocks_total "):
+            return int(line.split()[1])
+    return 0
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid`` and every process below it (vllm-router's launcher may run the
+    router in a child process)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(p)
+        todo += children.get(p, [])
+    return total
 
 
 def cpu_seconds(pid: int) -> float:
@@ -294,6 +402,19 @@ def main() -> int:
     ap.add_argument(
         "--router-log-level", default="error", choices=["error", "warning", "info", "debug"]
     )
+    ap.add_argument(
+        "--events",
+        action="store_true",
+        help="the backends publish vLLM's KV events for every prompt (stores, and one removal "
+        "per block evicted from a --capacity-block LRU cache): the router's ingest is measured too",
+    )
+    ap.add_argument("--capacity", type=int, default=4096, help="blocks each backend caches (LRU)")
+    ap.add_argument(
+        "--vllm-router",
+        action="store_true",
+        help="also measure vllm-router 0.1.17 cache_aware (bench/real_vllm/install_vllm_router.sh "
+        "installs it) in front of the same backends: its CPU per request beside kvrouter's",
+    )
     args = ap.parse_args()
     clients = args.upstream_client.split(",")
     from bench.upstream_clients import CLIENTS
@@ -305,12 +426,13 @@ def main() -> int:
         ap.error("--profile profiles one router: give one --upstream-client")
     n_req = {1: 200, 16: 1000, 64: 1500} if not args.quick else {1: 60, 16: 300, 64: 400}
     procs: list[subprocess.Popen] = []
+    stack = contextlib.ExitStack()  # vllm-router, when measured
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     prof = ROOT / "bench" / "results" / "proxy_bench.prof"
     try:
         backends = []
         for _ in range(2):
-            p, port, ep, rep = start_backend(env)
+            p, port, ep, rep = start_backend(env, args.events, args.capacity)
             procs.append(p)
             backends.append((port, ep, rep))
         routers: dict[str, tuple[int, subprocess.Popen]] = {}
@@ -321,6 +443,17 @@ def main() -> int:
             procs.append(routers[client][1])
         for rport, router in routers.values():
             wait_port(rport, router)
+        if args.vllm_router:
+            from bench.real_vllm.vllm_router import vllm_router_process
+
+            vport = free_port()
+            vlog = Path(tempfile.mkdtemp()) / "vllm-router.log"
+            urls = [f"http://127.0.0.1:{port}" for port, _, _ in backends]
+            vbase = stack.enter_context(vllm_router_process(urls, vport, free_port(), vlog))
+            vpid = _listener_pid(vport)
+            print(f"vllm-router cache_aware at {vbase} (pid {vpid})", flush=True)
+            routers["vllm-router"] = (vport, _Pid(vpid))
+            clients.append("vllm-router")
 
         rng = random.Random(0)
 
@@ -346,9 +479,9 @@ def main() -> int:
                     for client in order:
                         rport, router = routers[client]
                         asyncio.run(run_cell(rport, data[mode], c, min(n, 50), 5))
-                        cpu0 = cpu_seconds(router.pid)
+                        cpu0 = tree_cpu_seconds(router.pid)
                         via = asyncio.run(run_cell(rport, data[mode], c, n, args.seconds))
-                        cpu = cpu_seconds(router.pid) - cpu0
+                        cpu = tree_cpu_seconds(router.pid) - cpu0
                         row = {
                             "mode": mode,
                             "concurrency": c,
@@ -381,21 +514,55 @@ def main() -> int:
                     f"{row['router_cpu_ms_per_request']:.3f} | {row['added_p50_ms']:.2f} | "
                     f"{row['added_p99_ms']:.2f} | {row['router']['rps']:.0f} |"
                 )
+        event_blocks = sum(_event_blocks(port) for port, _, _ in backends)
+        served = sum(s["router"]["requests"] for v in samples.values() for s in v)
+        if args.events:
+            print(
+                f"\nevents: {event_blocks:,} blocks stored or removed by the backends, "
+                f"{event_blocks / max(1, served):.0f} per request served through a router"
+            )
+        ratios = []
+        if args.vllm_router:
+            by_cell = {(r["mode"], r["concurrency"], r["client"]): r for r in rows}
+            print("\nrouter CPU per request, kvrouter / vllm-router cache_aware (medians):")
+            print("| mode | c | kvrouter ms/req | vllm-router ms/req | ratio |")
+            print("|---|---|---|---|---|")
+            for (mode, c, client), row in by_cell.items():
+                other = by_cell.get((mode, c, "vllm-router"))
+                if client == "vllm-router" or other is None:
+                    continue
+                ratio = row["router_cpu_ms_per_request"] / other["router_cpu_ms_per_request"]
+                ratios.append({"mode": mode, "concurrency": c, "client": client, "ratio": ratio})
+                print(
+                    f"| {mode} | {c} | {row['router_cpu_ms_per_request']:.3f} | "
+                    f"{other['router_cpu_ms_per_request']:.3f} | {ratio:.2f} |"
+                )
         out = {
             "python": sys.version.split()[0],
             "cpus": os.cpu_count(),
             "prompt_tokens": 2001,
             "clients": clients,
             "repeat": args.repeat,
+            "events": args.events,
+            "capacity_blocks": args.capacity,
+            "event_blocks": event_blocks,
             "targets": {"router_cpu_ms_json_c16": 0.5, "added_p50_ms_c1": 1.0},
             "rows": rows,
+            "cpu_ratio_vs_vllm_router": ratios,
         }
         if not args.profile:
-            path = RESULTS if len(clients) == 1 else RESULTS.with_name("proxy_bench_ab.json")
+            if args.vllm_router:
+                name = "proxy_bench_vs_vllm_router" + ("_events" if args.events else "")
+                path = RESULTS.with_name(name + ".json")
+            elif len(clients) == 1:
+                path = RESULTS
+            else:
+                path = RESULTS.with_name("proxy_bench_ab.json")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(out, indent=2))
             print(f"wrote {path}")
     finally:
+        stack.close()
         for p in reversed(procs):
             p.send_signal(signal.SIGINT)  # uvicorn exits cleanly; cProfile writes its file
             try:

@@ -210,6 +210,9 @@ class BuiltinTokenizer:
 
     def __init__(self) -> None:
         self._memo: dict[str, int] = {t: i for i, t in enumerate(self._SPECIALS)}
+        # every wN word up front: a prompt of vocabulary words then takes the one C-level
+        # pass of _words (about 3x faster than a call per word on 2,000 words)
+        self._memo.update((f"w{n}", len(self._SPECIALS) + n) for n in range(self._WORDS))
         self._off_loop = _OffLoop()
 
     def _id(self, word: str) -> int:
@@ -229,7 +232,7 @@ class BuiltinTokenizer:
         ids = [self._BOS] if bos else []
         n = len(text)
         if n <= chunk:
-            ids.extend(map(self._id, text.split()))
+            self._words(ids, text.split())
             return ids
         start = 0
         while start < n:
@@ -243,9 +246,19 @@ class BuiltinTokenizer:
                     end = m.start()
                     break
                 end += chunk
-            ids.extend(map(self._id, text[start:end].split()))
+            self._words(ids, text[start:end].split())
             start = end
         return ids
+
+    def _words(self, ids: list[int], words: list[str]) -> None:
+        """Append the ids of ``words``: one pass through the memo, or, at the first word it
+        lacks, a call per word from there (the ids are the same either way)."""
+        n = len(ids)
+        try:
+            ids += map(self._memo.__getitem__, words)
+        except KeyError:
+            done = len(ids) - n
+            ids += map(self._id, words[done:])
 
     @staticmethod
     def _render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str | None:
