@@ -327,11 +327,8 @@ def none_hash_seed(settings: HashSettings) -> str:
     algo = _check_algo(settings.algo)
     seed = settings.pythonhashseed
     if seed is not None:
-        if seed == "":
-            raise HashSettingsError(
-                "hash.pythonhashseed is an empty string; set it to the replicas' exact "
-                "PYTHONHASHSEED value, or null if it is unset on the replicas"
-            )
+        # set but empty is still set: vLLM reads os.getenv("PYTHONHASHSEED") and seeds with
+        # "" (resolve_none_hash_seed), for every algo, the non-cryptographic ones included
         return seed
     if algo.startswith("sha256"):
         return DEFAULT_NONE_HASH_SEED

@@ -7,7 +7,7 @@ Routes (request and response shapes follow vLLM 0.32's):
   list of either; ``max_tokens`` (default ``min(16, room left)``), ``stream``,
   ``stream_options.include_usage``, ``add_special_tokens`` (default true),
   ``prompt_logprobs`` (any non-null value makes the request skip reading the prefix cache,
-  spec §4.1; no logprobs are computed), ``skip_reading_prefix_cache``, ``return_token_ids``
+  spec §4.1; no logprobs are computed), ``echo`` (with ``logprobs``: the same), ``return_token_ids``
   (adds ``prompt_token_ids`` and ``token_ids`` to the choice), ``n`` must be 1.
 * ``POST /v1/chat/completions``: ``messages`` through the builtin chat template
   (:mod:`gpu_emitter.tokenizer`), ``max_tokens``/``max_completion_tokens``,
@@ -201,8 +201,13 @@ def _max_tokens(body: Mapping[str, Any], prompt_len: int, info: ReplicaInfo, *ke
     return min(DEFAULT_MAX_TOKENS, room)
 
 
-def _common_options(body: Mapping[str, Any]) -> tuple[bool, bool, bool, bool]:
-    """(stream, include_usage, skip_reading, return_token_ids)"""
+def _common_options(body: Mapping[str, Any], chat: bool) -> tuple[bool, bool, bool, bool]:
+    """(stream, include_usage, skip_reading, return_token_ids)
+
+    vLLM 0.32 skips reading the prefix cache when the request's prompt logprobs are asked
+    for: ``prompt_logprobs``, or, with ``echo``, a completion's ``logprobs`` or a chat's
+    ``top_logprobs`` (which a chat defaults to 0: an echoed chat always skips). Its OpenAI
+    request classes have no ``skip_reading_prefix_cache`` field: the key is ignored."""
     n = body.get("n", 1)
     if n not in (1, None):
         raise ApiError(f"'n' must be 1 on the simulated replica, got {n!r}")
@@ -215,9 +220,10 @@ def _common_options(body: Mapping[str, Any]) -> tuple[bool, bool, bool, bool]:
         if not stream:
             raise ApiError("'stream_options' is only allowed when 'stream' is true")
         include_usage = _bool(opts, "include_usage", False)
-    skip = body.get("prompt_logprobs") is not None or _bool(
-        body, "skip_reading_prefix_cache", False
-    )
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is None and _bool(body, "echo", False):
+        prompt_logprobs = (body.get("top_logprobs") or 0) if chat else body.get("logprobs")
+    skip = prompt_logprobs is not None
     return stream, include_usage, skip, _bool(body, "return_token_ids", False)
 
 
@@ -280,7 +286,7 @@ async def _serve(
     engine: Engine, info: ReplicaInfo, kind: _Kind, body: Mapping[str, Any], ids: list[int]
 ) -> Response:
     max_tokens = _max_tokens(body, len(ids), info, "max_tokens", "max_completion_tokens")
-    stream, include_usage, skip_reading, return_ids = _common_options(body)
+    stream, include_usage, skip_reading, return_ids = _common_options(body, kind.chat)
     try:
         req = engine.submit(ids, max_tokens, skip_reading=skip_reading)
     except EngineError as exc:

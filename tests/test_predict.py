@@ -11,7 +11,7 @@ from events.layout import GroupKind, GroupSpec, ModelLayout, resolve
 from events.schema import BlockStored
 from router.core.hybrid import find_longest_cache_hit, group_blind_hit
 from router.core.index import KVIndex
-from router.core.predict import Predictor
+from router.core.predict import Predictor, body_request_keys
 
 LAYOUTS = {
     "fa": ModelLayout(groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),)),
@@ -125,3 +125,23 @@ def test_novel_prompt_hashes_little() -> None:
     pred = Predictor(index).predict(list(range(32768)))
     assert pred.hit(("a", 0)).hit_tokens == 0
     assert pred.hashed <= 16  # one read-ahead step, not the 2,048-hash chain
+
+
+def test_skip_reading_is_the_effective_prompt_logprobs() -> None:
+    # hand-derived from vLLM 0.32's OpenAI request classes (checked against them in
+    # tests/test_request_flags_vs_vllm.py with vLLM's own environment)
+    chat = {"messages": [{"role": "user", "content": "w1"}]}
+    cases = [
+        ({"prompt": "w1"}, False),
+        ({"prompt": "w1", "prompt_logprobs": 0}, True),
+        ({"prompt": "w1", "skip_reading_prefix_cache": True}, False),
+        ({"prompt": "w1", "echo": True}, False),
+        ({"prompt": "w1", "echo": True, "logprobs": 0}, True),
+        ({"prompt": "w1", "echo": False, "logprobs": 2}, False),
+        ({**chat}, False),
+        ({**chat, "echo": True}, True),
+        ({**chat, "echo": True, "top_logprobs": None}, True),
+        ({**chat, "prompt_logprobs": 1}, True),
+    ]
+    for body, skip in cases:
+        assert body_request_keys(body)[1] is skip, body

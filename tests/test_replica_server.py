@@ -212,6 +212,31 @@ def test_cached_tokens_is_the_pools_hit(replica: Replica) -> None:
     assert skipped.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_skip_reading_follows_vllms_request_rules(replica: Replica) -> None:
+    # vLLM 0.32 (tests/test_request_flags_vs_vllm.py reads its request classes): echo asks
+    # for prompt logprobs (a completion's logprobs, a chat's top_logprobs, 0 by default);
+    # skip_reading_prefix_cache is no field of its OpenAI requests
+    p = ids(200, salt=4)
+    replica.post("/v1/completions", {"prompt": p, "max_tokens": 2})
+
+    def cached(path: str, **extra: object) -> int:
+        body = {"max_tokens": 2, **extra}
+        if path == "/v1/completions":
+            body["prompt"] = p
+        else:
+            body["messages"] = [{"role": "user", "content": tok.decode(p)}]
+        return replica.post(path, body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("/v1/completions", skip_reading_prefix_cache=True) == 192
+    assert cached("/v1/completions", echo=True) == 192
+    assert cached("/v1/completions", echo=True, logprobs=0) == 0
+    chat = "/v1/chat/completions"
+    cached(chat)  # caches the chat's prompt (templated, so not the completion's blocks)
+    assert cached(chat) > 0
+    assert cached(chat, echo=True) == 0
+    assert cached(chat, echo=True, top_logprobs=None) == 0
+
+
 # -- tokenize, models, health, metrics, sources -------------------------------------------
 
 

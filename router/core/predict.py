@@ -326,8 +326,18 @@ class Predictor:
 
 def body_request_keys(body: dict) -> tuple[RequestKeys | None, bool]:
     """An OpenAI request body's extra hash keys (spec §1.4: the cache salt) and whether vLLM
-    skips reading the prefix cache for it (``prompt_logprobs``, ``skip_reading_prefix_cache``)."""
+    skips reading the prefix cache for it (§4.1).
+
+    vLLM 0.32's OpenAI server skips reading exactly when the request's effective
+    ``prompt_logprobs`` is set (``SamplingParams.skip_reading_prefix_cache`` defaults to
+    that): the body's ``prompt_logprobs``, or with ``echo`` the ``logprobs`` of a completion
+    (default None) or the ``top_logprobs`` of a chat (0 when absent or null: a chat with
+    ``echo`` always skips). A ``skip_reading_prefix_cache`` key in the body is not a field
+    of its OpenAI requests and changes nothing there, so it is ignored here too.
+    tests/test_request_flags_vs_vllm.py checks this against vLLM's own request classes."""
     salt = body.get("cache_salt")
     keys = RequestKeys(cache_salt=salt) if isinstance(salt, str) and salt else None
-    skip = body.get("prompt_logprobs") is not None or bool(body.get("skip_reading_prefix_cache"))
+    skip = body.get("prompt_logprobs") is not None
+    if not skip and body.get("echo"):
+        skip = "messages" in body or body.get("logprobs") is not None
     return keys, skip
