@@ -268,7 +268,12 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``local``: the directory holding the replica's ``tokenizer.json`` and
     ``tokenizer_config.json`` (the same files vLLM loads)."""
     timeout_s: float = 2.0
-    """``remote``: how long a replica's ``/tokenize`` may take before routing by load."""
+    """``remote`` (and ``template_args = "remote"``): how long a replica's ``/tokenize`` may
+    take before routing by load."""
+    template_args: Literal["remote", "load_only"] = "remote"
+    """``local``: a chat with ``tools``, ``chat_template_kwargs``, its own ``chat_template``,
+    ``continue_final_message`` or ``tool_calls`` is tokenized by a replica's ``/tokenize``
+    (vLLM's renderer: exact; one round trip for those requests), or routed by load."""
 
     def __post_init__(self) -> None:
         if self.strategy == "local" and not self.path:

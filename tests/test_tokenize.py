@@ -7,6 +7,9 @@ import json
 from collections.abc import Awaitable, Callable
 
 import pytest
+from fake_replica import ServerThread
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shared_paths import GOLDEN, require
@@ -17,6 +20,7 @@ from router.core.tokenize import (
     OFF_LOOP_CHARS,
     BuiltinTokenizer,
     LocalTokenizer,
+    RemoteTokenizer,
     Tokenized,
     TokenizerSetupError,
     make_tokenizer,
@@ -219,3 +223,99 @@ def test_a_large_prompt_through_the_local_tokenizer_keeps_the_loop_running(
     during, got = _loop_turns_during(lambda: local.tokenize("completion", body))
     assert during >= 3, f"the loop ran {during} times while 1.2 MB were tokenized"
     assert got.token_ids == local.tokenize_sync("completion", body).token_ids
+
+
+# -- chat-template arguments ---------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "w_lookup", "parameters": {"type": "object"}}}]
+CHAT = [{"role": "user", "content": "w1 w2"}]
+
+
+def test_template_args_are_collected_only_when_set() -> None:
+    what = prompt_input("chat", {"messages": CHAT, "tools": TOOLS, "chat_template_kwargs": {}})
+    assert what.template_args == {"tools": TOOLS}
+    plain = prompt_input(
+        "chat",
+        {"messages": CHAT, "tools": [], "continue_final_message": False, "chat_template": None},
+    )
+    assert plain.template_args == {} and not plain.tool_calls
+    calls = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]
+    assert prompt_input("chat", {"messages": calls}).tool_calls
+
+
+def test_builtin_template_ignores_tools_and_kwargs_like_the_replica() -> None:
+    tok = BuiltinTokenizer()
+    plain = tok.tokenize_sync("chat", {"messages": CHAT}).token_ids
+    args = {"messages": CHAT, "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}}
+    assert tok.tokenize_sync("chat", args).token_ids == plain == bt.encode_chat(CHAT)
+    custom = tok.tokenize_sync("chat", {"messages": CHAT, "chat_template": "{{ 1 }}"})
+    assert custom == Tokenized(None, "custom_chat_template")
+    calls = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]
+    assert tok.tokenize_sync("chat", {"messages": calls}) == Tokenized(None, "tool_calls")
+
+
+def test_local_sends_template_args_to_a_replica_or_routes_by_load() -> None:
+    from fastapi.responses import JSONResponse
+
+    seen: list[dict] = []
+    app = FastAPI()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await request.json()
+        seen.append(body)
+        return JSONResponse({"tokens": [7, 8, 9], "count": 3, "max_model_len": 64})
+
+    body = {
+        "messages": CHAT,
+        "tools": TOOLS,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    path = require(GOLDEN / "model")
+
+    async def both(url: str) -> tuple[Tokenized, Tokenized]:
+        local = LocalTokenizer(path, RemoteTokenizer("m", lambda: [url]))
+        try:
+            return await local.tokenize("chat", body), await local.tokenize("chat", plain_body)
+        finally:
+            await local.aclose()
+
+    plain_body = {"messages": CHAT}
+    with ServerThread(app) as server:
+        got, plain = asyncio.run(both(server.url))
+    assert got.token_ids == [7, 8, 9]
+    assert len(seen) == 1  # the plain chat was rendered here
+    assert plain.token_ids == bt.encode_chat(CHAT)
+    sent = seen[0]
+    assert sent["tools"] == TOOLS and sent["chat_template_kwargs"] == {"enable_thinking": False}
+    assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
+    assert sent["messages"] == CHAT and sent["model"] == "m"
+    load_only = LocalTokenizer(path)
+    assert asyncio.run(load_only.tokenize("chat", body)) == Tokenized(None, "chat_template_args")
+    cfg = TokenizerConfig(strategy="local", path=str(path), template_args="load_only")
+    made = make_tokenizer(cfg, model="m", urls=lambda: [])
+    assert asyncio.run(made.tokenize("chat", body)).reason == "chat_template_args"
+
+
+def test_local_template_has_transformers_globals_and_tojson(tmp_path) -> None:
+    # transformers renders with strftime_now and a tojson that is plain json.dumps (jinja's own
+    # HTML-escapes "<" and ">"): a template that dates its prompt or prints JSON must match
+    import shutil
+    from datetime import datetime
+
+    src = require(GOLDEN / "model")
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{{ strftime_now('%Y') }}|{{ messages | tojson }}|{{ messages | tojson(indent=1) }}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    messages = [{"role": "user", "content": "<w1> é"}]
+    text = LocalTokenizer(tmp_path).render_chat(messages, add_generation_prompt=False)
+    year = datetime.now().strftime("%Y")
+    assert text == f"{year}|{json.dumps(messages, ensure_ascii=False)}|" + json.dumps(
+        messages, ensure_ascii=False, indent=1
+    )

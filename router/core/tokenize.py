@@ -12,9 +12,22 @@ after it. Three strategies per pool:
   special tokens, as vLLM's chat endpoints and ``/tokenize`` with ``messages`` do.
 * ``remote``: ask a replica's ``/tokenize`` (exact by construction; one extra round trip).
 
-What cannot be tokenized here (several prompts in one request, images or audio, a
-request-level chat template) gives ``Tokenized(None, reason)``: the proxy routes it by load
-and counts the reason; it is never rejected for it.
+What cannot be tokenized here (several prompts in one request, images or audio) gives
+``Tokenized(None, reason)``: the proxy routes it by load and counts the reason; it is never
+rejected for it.
+
+**Chat-template arguments.** A chat's ``tools``, ``chat_template_kwargs``, request-level
+``chat_template``, ``continue_final_message`` and messages with ``tool_calls`` change what
+vLLM renders. ``local`` cannot reproduce them exactly (vLLM hands the template its own
+pydantic dump of each tool, with defaults and serializers of its own), so such a chat goes to
+a replica's ``/tokenize``, which takes every one of them and renders with vLLM's renderer
+(``template_args = "remote"``, the default; one extra round trip for those requests only), or
+is routed by load under the reason ``chat_template_args`` (``"load_only"``). ``remote`` sends
+them along. ``builtin`` (the simulated replica's fixed template, which uses none of them)
+ignores ``tools`` and ``chat_template_kwargs`` as that template does, and routes the others by
+load. The local renderer has Hugging Face's template globals and filters (``raise_exception``,
+``strftime_now``, its ``tojson``), so templates that date their system prompt or print JSON
+render as ``apply_chat_template`` renders them.
 
 **Large prompts leave the event loop.** Every request shares the router's one event loop, and
 tokenizing is CPU work: an 8 MB prompt took the builtin tokenizer 0.8 s, during which nothing
@@ -37,6 +50,7 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -47,6 +61,7 @@ from router.config import TokenizerConfig
 __all__ = [
     "OFF_LOOP_CHARS",
     "SPLIT_CHARS",
+    "TEMPLATE_ARGS",
     "BuiltinTokenizer",
     "LocalTokenizer",
     "RemoteTokenizer",
@@ -96,6 +111,14 @@ class _Chat:
     messages: list[dict[str, Any]]
     add_generation_prompt: bool
     add_special_tokens: bool
+    template_args: dict[str, Any]
+    """The body's chat-template arguments (:data:`TEMPLATE_ARGS`) that are set."""
+    tool_calls: bool = False
+    """A message carries ``tool_calls``: rendered by the template from structured data."""
+
+
+TEMPLATE_ARGS = ("tools", "chat_template_kwargs", "chat_template", "continue_final_message")
+"""Request fields that change a chat's rendering, all accepted by vLLM's ``/tokenize``."""
 
 
 def _text_only(messages: Any) -> str | None:
@@ -112,8 +135,6 @@ def _text_only(messages: Any) -> str | None:
                     return "non_text_content"
         elif content is not None and not isinstance(content, str):
             return "bad_messages"
-        if m.get("tool_calls"):
-            return "tool_calls"
     return None
 
 
@@ -136,12 +157,16 @@ def prompt_input(kind: Kind, body: dict[str, Any]) -> _Text | _Ids | _Chat | Tok
     reason = _text_only(messages)
     if reason is not None:
         return Tokenized(None, reason)
-    if body.get("chat_template") is not None or body.get("continue_final_message"):
-        return Tokenized(None, "custom_chat_template")
     return _Chat(
         messages,
         bool(body.get("add_generation_prompt", True)),
         bool(body.get("add_special_tokens", False)),
+        {
+            k: v
+            for k in TEMPLATE_ARGS
+            if (v := body.get(k)) is not None and v not in (False, {}, [])
+        },
+        any(m.get("tool_calls") for m in messages),
     )
 
 
@@ -286,6 +311,12 @@ class BuiltinTokenizer:
         if isinstance(what, _Ids):
             return Tokenized(what.ids)
         if isinstance(what, _Chat):
+            if what.tool_calls:
+                return Tokenized(None, "tool_calls")
+            if "chat_template" in what.template_args or what.template_args.get(
+                "continue_final_message"
+            ):
+                return Tokenized(None, "custom_chat_template")
             text = self._render(what.messages, what.add_generation_prompt)
             if text is None:
                 return Tokenized(None, "tokenizer_rejected")
@@ -313,9 +344,12 @@ class LocalTokenizer:
 
     strategy = "local"
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, remote: RemoteTokenizer | None = None) -> None:
+        """``remote``: where chats with template arguments are tokenized (module docstring);
+        None routes them by load."""
         from tokenizers import Tokenizer
 
+        self._remote = remote
         d = Path(path)
         tj = d / "tokenizer.json"
         if not tj.is_file():
@@ -349,7 +383,10 @@ class LocalTokenizer:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
             )
+            # transformers' template environment (its _compile_jinja_template)
             env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _hf_tojson
             self._template = env.from_string(template)
         self._off_loop = _OffLoop()
 
@@ -376,6 +413,8 @@ class LocalTokenizer:
         if isinstance(what, _Ids):
             return Tokenized(what.ids)
         if isinstance(what, _Chat):
+            if what.template_args or what.tool_calls:
+                return Tokenized(None, "chat_template_args")  # the async path may ask a replica
             if self._template is None:
                 return Tokenized(None, "no_chat_template")
             try:
@@ -388,12 +427,37 @@ class LocalTokenizer:
 
     async def tokenize(self, kind: Kind, body: dict[str, Any]) -> Tokenized:
         what = prompt_input(kind, body)
+        if (
+            self._remote is not None
+            and isinstance(what, _Chat)
+            and (what.template_args or what.tool_calls)
+        ):
+            return await self._remote.tokenize_input(what)
         if prompt_chars(what) > OFF_LOOP_CHARS:
             return await self._off_loop.run(self._tokenize, what)
         return self._tokenize(what)
 
     async def aclose(self) -> None:
         self._off_loop.close()
+        if self._remote is not None:
+            await self._remote.aclose()
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _hf_tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson`` filter: plain json.dumps (jinja's own escapes HTML)."""
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 class RemoteTokenizer:
@@ -412,9 +476,12 @@ class RemoteTokenizer:
         self._next = 0
 
     async def tokenize(self, kind: Kind, body: dict[str, Any]) -> Tokenized:
+        return await self.tokenize_input(prompt_input(kind, body))
+
+    async def tokenize_input(self, what: _Text | _Ids | _Chat | Tokenized) -> Tokenized:
+        """Ask a replica (round robin over the pool's, the next on a failure)."""
         import httpx
 
-        what = prompt_input(kind, body)
         if isinstance(what, Tokenized):
             return what
         if isinstance(what, _Ids):
@@ -427,6 +494,7 @@ class RemoteTokenizer:
                 messages=what.messages,
                 add_generation_prompt=what.add_generation_prompt,
                 add_special_tokens=what.add_special_tokens,
+                **what.template_args,
             )
         urls = list(self._urls())
         for i in range(len(urls)):
@@ -464,5 +532,8 @@ def make_tokenizer(
     if cfg.strategy == "builtin":
         return BuiltinTokenizer()
     if cfg.strategy == "local":
-        return LocalTokenizer(cfg.path or "")
+        remote = (
+            RemoteTokenizer(model, urls, cfg.timeout_s) if cfg.template_args == "remote" else None
+        )
+        return LocalTokenizer(cfg.path or "", remote)
     return RemoteTokenizer(model, urls, cfg.timeout_s)
