@@ -17,7 +17,6 @@ if os.environ.get("KVROUTER_NO_NATIVE_BUILD", "") not in ("1", "true", "yes"):
             "events._chain",
             sources=["events/_chain.c"],
             optional=True,
-            extra_compile_args=["-O2"] if os.name == "posix" else [],
         )
     )
 
