@@ -31,12 +31,12 @@ from events import hashing
 from events.hashing import (
     NATIVE_ENV,
     BlockHasher,
-    MMItem,
     RequestKeys,
     native_hashing,
     none_hash_seed,
 )
 from events.layout import HashSettings
+from tests.test_hashing import mm_items
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -146,14 +146,6 @@ token = st.one_of(
 )
 
 
-def _place(specs: list[tuple[int, int, str]]) -> tuple[MMItem, ...]:
-    pos, out = 0, []
-    for gap, length, ident in specs:
-        out.append(MMItem(identifier=ident, offset=pos + gap, length=length))
-        pos += gap + length
-    return tuple(out)
-
-
 request_keys = st.one_of(
     st.none(),
     st.builds(
@@ -166,10 +158,7 @@ request_keys = st.one_of(
         ),
         st.sampled_from([(None, None), ("adapter-1", "/adapters/a1"), ("ü", "ü")]),
         st.sampled_from([None, "tenant-a", "ü-salt", "x" * 300]),
-        st.lists(
-            st.tuples(st.integers(0, 20), st.integers(1, 25), st.text(min_size=1, max_size=8)),
-            max_size=3,
-        ).map(_place),
+        mm_items,
         st.lists(st.binary(min_size=32, max_size=32), max_size=3).map(tuple),
     ),
 )
@@ -357,6 +346,7 @@ import sys
 {prelude}
 from events.hashing import BlockHasher, native_hashing
 from events.layout import HashSettings
+from tests.test_hashing import mm_items
 h = BlockHasher(HashSettings(), 16, memo_entries=0)
 print(native_hashing(), h.native, h.wire_chain(list(range(1000, 1160)))[-1],
       "torch" in sys.modules)
