@@ -170,34 +170,37 @@ static size_t block_capacity(Py_ssize_t plen, Py_ssize_t H) {
     return (size_t)plen + 9 * (size_t)H + 64 + 72;
 }
 
+/* The value of a token that is an exact int in [0, limit] into *v (0); else -1. */
+static inline int read_token(PyObject *t, long long limit, uint64_t *v) {
+    if (!PyLong_CheckExact(t))
+        return -1;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)t)) { /* |v| < 2**30: no call */
+        Py_ssize_t c = PyUnstable_Long_CompactValue((PyLongObject *)t);
+        if (c < 0 || c > limit)
+            return -1;
+        *v = (uint64_t)c;
+        return 0;
+    }
+#elif PY_VERSION_HEX >= 0x030B0000
+    if (Py_SIZE(t) == 0 || Py_SIZE(t) == 1) { /* 0 or one non-negative 30-bit digit */
+        *v = Py_SIZE(t) ? (uint64_t)((PyLongObject *)t)->ob_digit[0] : 0;
+        return *v > (uint64_t)limit ? -1 : 0;
+    }
+#endif
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(t, &overflow);
+    if (overflow || x < 0 || x > limit)
+        return -1; /* (a -1 with an error set cannot happen for an exact int) */
+    *v = (uint64_t)x;
+    return 0;
+}
+
 /* The values of one block's tokens when all are exact ints in [0, limit]; else -1. */
 static int read_tokens(PyObject *const *items, Py_ssize_t H, long long limit, uint64_t *vals) {
-    for (Py_ssize_t i = 0; i < H; i++) {
-        PyObject *t = items[i];
-        if (!PyLong_CheckExact(t))
+    for (Py_ssize_t i = 0; i < H; i++)
+        if (read_token(items[i], limit, &vals[i]) < 0)
             return -1;
-#if PY_VERSION_HEX >= 0x030C0000
-        if (PyUnstable_Long_IsCompact((PyLongObject *)t)) { /* |v| < 2**30: no call */
-            Py_ssize_t c = PyUnstable_Long_CompactValue((PyLongObject *)t);
-            if (c < 0 || c > limit)
-                return -1;
-            vals[i] = (uint64_t)c;
-            continue;
-        }
-#elif PY_VERSION_HEX >= 0x030B0000
-        if (Py_SIZE(t) == 0 || Py_SIZE(t) == 1) { /* 0 or one non-negative digit */
-            vals[i] = Py_SIZE(t) ? (uint64_t)((PyLongObject *)t)->ob_digit[0] : 0;
-            if (vals[i] > (uint64_t)limit)
-                return -1;
-            continue;
-        }
-#endif
-        int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
-        if (overflow || v < 0 || v > limit)
-            return -1; /* (a -1 with an error set cannot happen for an exact int) */
-        vals[i] = (uint64_t)v;
-    }
     return 0;
 }
 
@@ -462,6 +465,41 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(token_key_doc,
+"token_key(toks, start, stop) -> bytes | None\n--\n\n"
+"toks[start:stop] as native-endian uint32 bytes, the memo key array('I', ...).tobytes()\n"
+"makes, without the slice and the array; None when a token is not an int in [0, 2**32)\n"
+"(or toks is not a list or tuple): the caller then keys the pure way.");
+
+static PyObject *chain_token_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "token_key() takes exactly 3 arguments");
+        return NULL;
+    }
+    PyObject *toks = args[0];
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), stop = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!(PyList_CheckExact(toks) || PyTuple_CheckExact(toks)) || start < 0 || stop < start ||
+        stop > PySequence_Fast_GET_SIZE(toks))
+        Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (stop - start) * (Py_ssize_t)sizeof(uint32_t));
+    if (out == NULL)
+        return NULL;
+    uint32_t *w = (uint32_t *)PyBytes_AS_STRING(out);
+    PyObject *const *items = PySequence_Fast_ITEMS(toks);
+    for (Py_ssize_t i = start; i < stop; i++) {
+        uint64_t v;
+        if (read_token(items[i], 0xffffffffLL, &v) < 0) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        *w++ = (uint32_t)v;
+    }
+    return out;
+}
+
 PyDoc_STRVAR(sha256_doc, "sha256(data) -> bytes\n--\n\nSHA-256 of a bytes-like object, "
                          "computed by this module's own code (tests check it against hashlib).");
 
@@ -516,6 +554,7 @@ static PyObject *chain_sha_impl(PyObject *self, PyObject *unused) {
 
 static PyMethodDef chain_methods[] = {
     {"extend", (PyCFunction)(void (*)(void))chain_extend, METH_FASTCALL, extend_doc},
+    {"token_key", (PyCFunction)(void (*)(void))chain_token_key, METH_FASTCALL, token_key_doc},
     {"sha256", chain_sha256, METH_O, sha256_doc},
     {"_use_sha", chain_use_sha, METH_O, use_sha_doc},
     {"sha_impl", chain_sha_impl, METH_NOARGS, "The SHA-256 code in use: 'sha-ni' or 'portable'."},

@@ -230,6 +230,20 @@ def test_lazy_reads_in_any_order_equal_pure(
         assert chain.wires() == want
 
 
+def test_token_key_is_the_pure_memo_key() -> None:
+    """The memo key the C code builds is array('I') bytes, or None where pure keys otherwise."""
+    ok = [0, 1, 255, 65536, 2**31, 2**32 - 1, 150_000]
+    for toks in (ok, tuple(ok)):
+        for a, b in ((0, 7), (2, 5), (3, 3)):
+            assert _chain.token_key(toks, a, b) == array("I", ok[a:b]).tobytes()
+    for bad in ([1, 2**32], [1, -1], [1, True], [1, 2.0]):
+        assert _chain.token_key(bad, 0, 2) is None
+        assert _chain.token_key(bad, 0, 1) is not None
+    assert _chain.token_key(array("I", ok), 0, 2) is None  # not a list or tuple
+    assert _chain.token_key(ok, 0, 8) is None  # past the end
+    assert _chain.token_key(ok, 3, 2) is None
+
+
 def test_bools_and_big_tokens_hash_like_pure() -> None:
     """A bool pickles differently from an int: the C code must not serialize it as one
     (vLLM's ids are ints; anything else must still hash like the pure path)."""
