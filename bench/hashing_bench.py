@@ -48,6 +48,8 @@ from events.layout import HashSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "hashing_bench.json"
+#: The compiled-vs-pure tables, committed (the JSON is not): docs/native-hashing.md cites them.
+SUMMARY = ROOT / "bench" / "results" / "hashing_bench.md"
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
@@ -198,6 +200,41 @@ def sha256_options(H: int, repeat: int, rng: random.Random) -> dict:
     return {k: {"median_us": statistics.median(v), "min_us": min(v)} for k, v in t.items()}
 
 
+def summary_markdown(results: dict, argv: list[str]) -> str:
+    """The compiled-vs-pure cold chains and the sha256 options as markdown tables."""
+    cmd = " ".join(["bench/hashing_bench.py", *argv])
+    lines = [
+        "# Block hash chain: compiled (events._chain) vs pure Python",
+        "",
+        f"Command: `PYTHONPATH=. .venv/bin/python {cmd}`; Python {results['python']}, "
+        f"{results['machine']}, compiled chain: {results['native'] or 'not built'}. Cold "
+        "chains (no memo), H=16, median / best microseconds; pure and compiled timed "
+        "alternately in one process, so each speedup comes from one run.",
+        "",
+        "| prompt | algo | pure | compiled | speedup |",
+        "|---|---|---|---|---|",
+    ]
+    for n_tokens, row in results["native_vs_pure_cold"].items():
+        for algo, r in row.items():
+            lines.append(
+                f"| {n_tokens} tokens | {algo} | {r['pure_median_us']:,.0f} / "
+                f"{r['pure_min_us']:,.0f} | {r['native_median_us']:,.0f} / "
+                f"{r['native_min_us']:,.0f} | {r['speedup']:.1f}x |"
+            )
+    if results["sha256_options_cold_32k"]:
+        lines += ["", "sha256, cold 32k-token chain, by implementation:", ""]
+        lines += ["| implementation | median / best us |", "|---|---|"]
+        for k, v in results["sha256_options_cold_32k"].items():
+            lines.append(f"| {k} | {v['median_us']:,.0f} / {v['min_us']:,.0f} |")
+    algos = results["algos"]
+    lines += ["", f"Hashers as the router builds them, {results['tokens']} tokens:", ""]
+    lines += ["| case | " + " | ".join(algos) + " |", "|---" * (len(algos) + 1) + "|"]
+    for case in next(iter(algos.values())):
+        cells = " | ".join(f"{algos[a][case]['median_us']:,.0f}" for a in algos)
+        lines.append(f"| {case} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
 def load_baseline(rev: str) -> ModuleType:
     """``events/hashing.py`` at git revision ``rev``, as a module beside the current one."""
     src = subprocess.run(
@@ -340,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")
+    if argv is None:  # a command-line run (not a test calling main): refresh the summary
+        SUMMARY.write_text(summary_markdown(results, sys.argv[1:]))
+        print(f"wrote {SUMMARY}")
     return 0
 
 

@@ -353,7 +353,8 @@ def native_hashing() -> str | None:
     """
     if _NATIVE is None:
         return None
-    return f"events._chain ({_NATIVE.sha_impl()})"
+    impl = _NATIVE.sha_impl()
+    return f"events._chain ({'sha-ni' if impl == 'sha-ni' else 'sha256 by hashlib'})"
 
 
 def _native_extender(algo: str) -> _Extender | None:
@@ -363,7 +364,11 @@ def _native_extender(algo: str) -> _Extender | None:
     if _NATIVE is None:
         return None
     serial = 1 if algo.endswith("_cbor") else 0
-    digest = None if algo.startswith("sha256") else xxhash.xxh3_128_digest
+    digest: Callable[[bytes], bytes] | None = _ALGO_PARTS[algo][2]
+    if digest is _sha256 and _NATIVE.sha_impl() == "sha-ni":
+        digest = None  # SHA-256 in C: 4x cheaper than a call into hashlib per block
+    # Without SHA-NI, hashlib (OpenSSL's assembly, ARMv8 SHA instructions included) is
+    # called back per block: never slower than the extension's portable C, often faster.
     return functools.partial(_NATIVE.extend, serial, _ALGO_PARTS[algo][1], digest)
 
 

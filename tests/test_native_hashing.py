@@ -112,9 +112,22 @@ def test_chain_equal_with_each_sha_impl(each_sha_impl: list[str]) -> None:
     rng = random.Random(8)
     tokens = [rng.randrange(200_000) for _ in range(16 * 40)]
     want = BlockHasher(HashSettings(), 16, native=False).digests(tokens)
+    none_hash = BlockHasher(HashSettings(), 16).none_hash
     for impl in each_sha_impl:
         _chain._use_sha(impl)
-        assert BlockHasher(HashSettings(), 16, memo_entries=0).digests(tokens) == want, impl
+        got, _ = _call(parent=none_hash, toks=tokens, H=16, stop=40)
+        assert got == want, impl
+
+
+def test_without_sha_ni_hashlib_digests_each_block(each_sha_impl: list[str]) -> None:
+    """No SHA-NI: the C serializer hands each block to hashlib (OpenSSL's assembly)."""
+    tokens = list(range(100_000, 100_000 + 16 * 20))
+    want = BlockHasher(HashSettings(), 16, native=False).digests(tokens)
+    _chain._use_sha("portable")
+    h = BlockHasher(HashSettings(), 16, memo_entries=0)
+    assert h._extend.args[2] is hashing._sha256
+    assert native_hashing() == "events._chain (sha256 by hashlib)"
+    assert h.digests(tokens) == want
 
 
 def test_sha_ni_chosen_when_the_cpu_has_it() -> None:
@@ -124,6 +137,7 @@ def test_sha_ni_chosen_when_the_cpu_has_it() -> None:
         pytest.skip("no SHA-NI on this CPU (or not Linux)")
     assert _chain.sha_impl() == "sha-ni"
     assert native_hashing() == "events._chain (sha-ni)"
+    assert BlockHasher(HashSettings(), 16)._extend.args[2] is None  # digest computed in C
 
 
 def test_unknown_sha_impl_is_refused() -> None:
