@@ -136,6 +136,7 @@ class _StateCollector(Collector):
                     "unknown_removals",
                     "conformance_mismatches",
                     "inferred_blocks",
+                    "closure_kept",
                     "resets",
                     "late_attaches",
                 ):
