@@ -1036,15 +1036,7 @@ class KVIndex:
         """Mark ``rep`` untrusted. Every call is counted under ``label`` (a short, bounded
         reason for the metric); the log gets one line per (replica, label) per
         ``warn_interval_s``, so a replica that stays wrong cannot flood it."""
-        rep.ingest_errors[label] = rep.ingest_errors.get(label, 0) + 1
-        now = time.monotonic()
-        last = rep.warned.get(label)
-        if last is None or now - last >= self.limits.warn_interval_s:
-            rep.warned[label] = now
-            log.warning(
-                "pool %r replica %s/dp%d untrusted (%s, %d so far): %s",
-                self.pool, rep.name, rep.dp_rank, label, rep.ingest_errors[label], reason,
-            )  # fmt: skip
+        self._count(rep, label, "untrusted", reason)
         if rep.trusted or rep.recoverable:
             # A settings problem outranks lost events: it must not be cleared by a reset.
             rep.untrusted_reason = reason
@@ -1053,6 +1045,19 @@ class KVIndex:
         rep.trusted = False
         rep.children = None
         self.generation += 1
+
+    def _count(self, rep: _Replica, label: str, became: str, reason: str) -> None:
+        """Count one ingest problem under ``label``; log it at most once per (replica,
+        label) per ``warn_interval_s``."""
+        rep.ingest_errors[label] = rep.ingest_errors.get(label, 0) + 1
+        now = time.monotonic()
+        last = rep.warned.get(label)
+        if last is None or now - last >= self.limits.warn_interval_s:
+            rep.warned[label] = now
+            log.warning(
+                "pool %r replica %s/dp%d %s (%s, %d so far): %s",
+                self.pool, rep.name, rep.dp_rank, became, label, rep.ingest_errors[label], reason,
+            )  # fmt: skip
 
     # --------------------------------------------------------- stream signals
 
@@ -1151,6 +1156,35 @@ class KVIndex:
             recoverable=True,
             label="lost_events",
         )
+
+    def gap_lost(self, key: ReplicaKey, detail: str) -> None:
+        """Batches were lost in mid-stream and the replay ring no longer holds them.
+
+        What they said is unknown, removals included, so what the index holds of the replica
+        may be stale: it is wiped. From then on the stream is applied as after a late attach:
+        every batch since the gap is known and blocks cached before it are not, so the
+        replica is *partial* (routed on, its hit a lower bound that vLLM's answers raise),
+        not untrusted: a busy replica's subscriber that fell behind its ring must not turn
+        into load-only routing until someone flushes its cache. The loss is counted
+        (``unrecoverable_gaps``, ``kvrouter_ingest_errors_total{reason="lost_events"}``).
+        A replica untrusted for its settings stays so; one untrusted for lost or refused
+        events is wiped here too, so it becomes partial like the rest."""
+        rep = self._replica(key)
+        self._wipe(rep)
+        rep.counters["unrecoverable_gaps"] += 1
+        reason = (
+            f"lost events ({detail}): its state was dropped and the stream goes on; blocks "
+            f"cached before are unknown until vLLM's answers show them or the replica's "
+            f"prefix cache is reset"
+        )
+        if not (rep.trusted or (rep.recoverable and not rep.down)):
+            self._count(rep, "lost_events", "stays untrusted", reason)
+            return
+        self._count(rep, "lost_events", "partial", reason)
+        self._trust_again(rep)
+        rep.partial_reason = reason
+        rep.children = {}
+        self.generation += 1
 
     def seen_down(self, key: ReplicaKey, detail: str) -> None:
         """The replica was seen down or failing (health probe, ejection: router.core.health).
