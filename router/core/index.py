@@ -616,6 +616,8 @@ class KVIndex:
         as a conflict (the caller quarantines that replica) and the pool is left as it was, so
         one replica's events never make the others predict 0.
         """
+        if not rep.trusted and not rep.recoverable:
+            return None  # quarantined for its settings: it has no say in the pool's layout
         own, pool = rep.learned, self._learned
         for g, spec in own.items():
             have = pool.get(g)
@@ -667,8 +669,8 @@ class KVIndex:
         """Another replica whose own view holds every group of the pool's layout, alike."""
         pool = self._learned
         for o in self._replicas.values():
-            if o is rep:
-                continue
+            if o is rep or (not o.trusted and not o.recoverable):
+                continue  # a replica quarantined for its settings confirms nothing
             view = o.learned
             if all(
                 (s := view.get(g)) is not None
@@ -1044,7 +1046,43 @@ class KVIndex:
             rep.down = label == "replica_down"
         rep.trusted = False
         rep.children = None
+        if not recoverable and rep.slot == self._layout_source and not self.declared.groups:
+            self._relearn(rep)
         self.generation += 1
+
+    def _relearn(self, bad: _Replica) -> None:
+        """The replica the pool's learned layout follows was found wrong in its settings (its
+        hashes or its layout): it has no say any more. The pool's layout is taken from
+        another trusted replica whose own view resolves, or learned anew from the next
+        events; until then every replica predicts no hit (never a hit from a wrong layout).
+        Without this, a hostile or misconfigured replica that spoke first would have the
+        good replicas quarantined as the ones that disagree."""
+        log.warning(
+            "pool %r: replica %s/dp%d, which the learned layout followed, is untrusted for its "
+            "settings; the layout is learned again from the other replicas",
+            self.pool, bad.name, bad.dp_rank,
+        )  # fmt: skip
+        old_learned, old_resolved = self._learned, self._resolved
+        self._learned, self._resolved, self._layout_source = {}, None, None
+        for o in self._replicas.values():
+            if o is bad or not o.trusted or not o.learned:
+                continue
+            n = max(o.learned) + 1
+            if len(o.learned) != n:
+                continue
+            if o.learned == old_learned:  # it agrees with the layout in use: keep it as is
+                self._learned, self._resolved = old_learned, old_resolved
+                self._layout_source = o.slot
+                break
+            try:
+                layout = msgspec.structs.replace(
+                    self.declared, groups=tuple(o.learned[i] for i in range(n))
+                )
+                self._resolved = resolve(layout)
+            except LayoutError:
+                continue
+            self._learned, self._layout_source = dict(o.learned), o.slot
+            break
 
     def _count(self, rep: _Replica, label: str, became: str, reason: str) -> None:
         """Count one ingest problem under ``label``; log it at most once per (replica,
