@@ -118,8 +118,8 @@ def test_signals_map_to_trust_changes() -> None:
 
 
 def test_a_gap_the_ring_cannot_cover_makes_the_replica_partial() -> None:
-    """Real sockets: A's batches k+1..k+2 are lost on the way and its ring (2 batches) no
-    longer holds them when the gap is seen. Lost removals could leave stale keys, so A's
+    """Real sockets: A's batches k+1..k+3 are lost on the way and its ring (2 batches) holds
+    only k+3 and k+4 when the gap is seen. Lost removals could leave stale keys, so A's
     state is dropped; everything after the gap is applied and A stays routed on as *partial*
     (a lower bound), not untrusted; B is untouched."""
     x, y, z = (list(range(base, base + 200)) for base in (1000, 5000, 9000))
@@ -150,11 +150,11 @@ def test_a_gap_the_ring_cannot_cover_makes_the_replica_partial() -> None:
             )
             k = pub_a.next_seq - 1
             wait_for(lambda: feeder.applied.get("a") == k, what="A caught up")
-            fwd.drop |= {k + 1, k + 2}
+            fwd.drop |= {k + 1, k + 2, k + 3}  # the gap shows when k+4 arrives: ring k+3, k+4
             removal = BlockRemoved(block_hashes=[wire_x[9]], medium="GPU", group_idx=1)
             pub_a.publish([removal])  # lost: the index would keep a stale SWA block
             pub_a.publish(prompt_events(y))  # lost
-            pub_a.publish([])  # k+3: in the ring when the gap is seen
+            pub_a.publish([])  # k+3: lost on the way, replayed from the ring
             pub_a.publish(prompt_events(z))  # k+4: its arrival shows the gap
             wait_for(lambda: feeder.applied.get("a") == k + 4, what="A past the gap")
             assert sub.stats()["a"].unrecoverable_gaps == 1
