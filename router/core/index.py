@@ -113,6 +113,10 @@ def _mask_bytes(m: int) -> int:
     return _INT_BASE + _DIGIT_BYTES * (-(-m.bit_length() // _DIGIT_BITS))
 
 
+_UNSET_MEDIUM = object()
+"""No removal resolved yet in a batch (KVIndex.apply_events)."""
+
+
 def _held_bytes(m: int) -> int:
     """What the mask ``m`` stored as a key's value costs: nothing for a single holder, whose
     mask is its replica's own bit object (shared by every key it alone holds), else
@@ -731,6 +735,11 @@ class KVIndex:
         # A key this replica alone holds stores ``bit`` itself (shared, no cost); ``masks``
         # follows the masks of two holders or more as they appear, widen, narrow and go.
         masks = self.mask_bytes
+        removed = unknown = 0
+        rm_medium: object = _UNSET_MEDIUM
+        rm_group: int | None = None
+        rm_table: dict = {}
+        rm_extra: dict = {}
         try:
             for ev in events:
                 cls = type(ev)
@@ -804,34 +813,46 @@ class KVIndex:
                             held += 1
                     counters["stored_blocks"] += len(ev.block_hashes)
                 elif cls is BlockRemoved:
-                    tier = tier_of.get(ev.medium) or self._new_tier(rep, ev.medium)
-                    g = ev.group_idx if ev.group_idx is not None else 0
-                    if tier is None:
-                        continue
-                    if not 0 <= g < max_groups:
-                        self._refuse(rep, "group_idx", f"group_idx {g} outside 0..{max_groups - 1}")
-                        continue
-                    t = tiers[tier]
-                    if g >= len(t.tables):  # nothing was ever stored there: allocate nothing
-                        counters["unknown_removals"] += len(ev.block_hashes)
-                        counters["removed_blocks"] += len(ev.block_hashes)
-                        continue
-                    table, extra = t.tables[g], t.extra[g]
-                    for h in ev.block_hashes:
+                    # vLLM sends one BlockRemoved per evicted block (spec §2.1): a run of them
+                    # reuses the table the previous one resolved (same medium and group)
+                    medium, g = ev.medium, ev.group_idx
+                    if medium != rm_medium or g != rm_group:
+                        tier = tier_of.get(medium) or self._new_tier(rep, medium)
+                        if tier is None:
+                            continue
+                        gi = g if g is not None else 0
+                        if not 0 <= gi < max_groups:
+                            self._refuse(
+                                rep, "group_idx", f"group_idx {gi} outside 0..{max_groups - 1}"
+                            )
+                            continue
+                        t = tiers[tier]
+                        if gi >= len(t.tables):  # nothing was ever stored there: allocate nothing
+                            unknown += len(ev.block_hashes)
+                            removed += len(ev.block_hashes)
+                            continue
+                        rm_medium, rm_group = medium, g
+                        table, extra = rm_table, rm_extra = t.tables[gi], t.extra[gi]
+                    else:
+                        table, extra = rm_table, rm_extra
+                    hashes = ev.block_hashes
+                    removed += len(hashes)
+                    for h in hashes:
                         m = table.get(h, 0)
                         if not m & bit:
-                            counters["unknown_removals"] += 1
+                            unknown += 1
                             continue
-                        k = (slot, h)
-                        c = extra.get(k)
-                        if c is not None:
-                            self.extra_entries -= 1
-                            rep.extra -= 1
-                            if c == 2:
-                                del extra[k]
-                            else:
-                                extra[k] = c - 1
-                            continue
+                        if extra:  # copies beyond the first are rare: no key built without
+                            k = (slot, h)
+                            c = extra.get(k)
+                            if c is not None:
+                                self.extra_entries -= 1
+                                rep.extra -= 1
+                                if c == 2:
+                                    del extra[k]
+                                else:
+                                    extra[k] = c - 1
+                                continue
                         held -= 1
                         if m == bit:
                             del table[h]
@@ -845,7 +866,6 @@ class KVIndex:
                                 if m < above and rest < low:  # the highest bit went: narrower
                                     masks += _mask_bytes(rest) - top
                                 table[h] = rest
-                    counters["removed_blocks"] += len(ev.block_hashes)
                 elif cls is AllBlocksCleared:
                     self.entries, rep.blocks, self.mask_bytes = entries, held, masks
                     self._known_empty(rep)
@@ -867,6 +887,8 @@ class KVIndex:
             self.entries = entries
             rep.blocks = held
             self.mask_bytes = masks
+            counters["removed_blocks"] += removed
+            counters["unknown_removals"] += unknown
             self.generation += 1
         if self.nbytes() > self.limits.max_bytes:
             while self.entries and self.nbytes() > 0.9 * self.limits.max_bytes:
