@@ -14,10 +14,12 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # ---------------------------------------------------------------------------- wheel
 FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY events/ events/
 COPY router/ router/
 COPY gpu_emitter/ gpu_emitter/
+# setup.py builds events._chain when the image has gcc (slim: no, the pure chain is used;
+# docs/native-hashing.md)
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------- base

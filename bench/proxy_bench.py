@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python bench/proxy_bench.py` as the README runs it
+    sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "proxy_bench.json"
 TICK = os.sysconf("SC_CLK_TCK")
 SCHEDSTAT = Path("/proc/self/schedstat").exists()

@@ -70,7 +70,7 @@ class Envs:
 
 def _copy_context(dst: Path) -> None:
     """The Dockerfile ``wheel`` stage's ``COPY`` sources, as .dockerignore leaves them."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "*.so")
     sources = stages()["wheel"].copy_sources()
     assert "pyproject.toml" in sources, sources
     for src in sources:
@@ -131,6 +131,19 @@ def test_wheel_carries_the_layout_files(envs: Envs) -> None:
     assert LAYOUT_FILES  # the source tree has them where the package expects
     assert {f"gpu_emitter/layout_files/{f}" for f in LAYOUT_FILES} <= names
     assert not [n for n in names if n.startswith(("tests/", "bench/", "config/", "docker/"))]
+
+
+def test_wheel_carries_the_compiled_chain_when_a_compiler_is_there(envs: Envs) -> None:
+    """setup.py (copied by the wheel stage) builds events._chain where gcc exists; where it
+    does not (the slim image) the wheel is pure and works (tests/test_native_hashing.py)."""
+    if shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the wheel is built without events._chain")
+    names = zipfile.ZipFile(envs.wheel).namelist()
+    assert [n for n in names if n.startswith("events/_chain") and n.endswith(".so")], names
+    code = "from events.hashing import native_hashing; print(native_hashing())"
+    out = envs.run(envs.router, ["python", "-I", "-c", code])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("events._chain ("), out.stdout
 
 
 def test_installed_router_env_loads_layouts_from_itself_without_torch(envs: Envs) -> None:
