@@ -20,9 +20,7 @@ FA_SWA = ModelLayout(
 
 
 def cpu_events(pool: HybridBlockPool) -> list[BlockStored]:
-    return [
-        ev for ev in pool.take_events() if type(ev) is BlockStored and ev.medium == "cpu"
-    ]
+    return [ev for ev in pool.take_events() if type(ev) is BlockStored and ev.medium == "cpu"]
 
 
 def test_a_prefix_saved_by_one_replica_is_loaded_by_the_other() -> None:
