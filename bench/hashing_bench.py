@@ -12,7 +12,7 @@ Measures a 32k-token prompt at H=16 (2048 fine hashes) per algorithm:
 First, the compiled chain (``events._chain``, docs/native-hashing.md) against the pure-Python
 one, cold (no memo), for 2k- and 32k-token prompts and every algorithm, timed interleaved in
 this one process so each ratio comes from one run; then the ways of computing sha256 that were
-tried (SHA-NI, portable C, hashlib called back per block). The table after that times the
+tried (SHA-NI, hashlib called back per block). The table after that times the
 hashers as the router builds them (compiled when built).
 
 ``--baseline-rev REV`` also loads ``events/hashing.py`` as it was at git revision REV and
@@ -189,7 +189,6 @@ def sha256_options(H: int, repeat: int, rng: random.Random) -> dict:
             settings_for("sha256"), H, memo_entries=0, native=False
         ).wire_chain(tokens),
         "C serializer + hashlib callback": run_with(None, lambda b: hashlib.sha256(b).digest()),
-        "C serializer + portable C sha256": run_with("portable"),
     }
     if native._use_sha("sha-ni") == "sha-ni":
         fns["C serializer + SHA-NI sha256"] = run_with("sha-ni")

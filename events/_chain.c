@@ -8,8 +8,9 @@
  * Per block, the common case (extra keys None, every token an exact int in the range the fast
  * serializers cover) is serialized here, exactly as pickle.dumps((parent, tuple(tokens), None),
  * protocol=5) or cbor2.dumps(..., canonical=True) lays it out, and hashed:
- *   - SHA-256 here (SHA-NI instructions when the CPU has them, portable C otherwise: no OpenSSL
- *     headers needed, nothing linked but libc);
+ *   - SHA-256 here with the SHA-NI instructions when the CPU has them (no OpenSSL headers
+ *     needed, nothing linked but libc); without them events/hashing.py passes hashlib's
+ *     sha256 as the digest callable, OpenSSL's own code (a call per block: 2x slower);
  *   - xxh3_128 through the Python callable events/hashing.py passes (xxhash.xxh3_128_digest),
  *     so the digest is the very function the pure path uses.
  * Every other block (extra keys present, a bool / numpy int / big or negative token) is
@@ -43,45 +44,7 @@ static const uint32_t K256[64] = {
 static const uint32_t SHA256_INIT[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
                                         0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
 
-#define ROR32(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
 
-static void sha256_blocks_portable(uint32_t st[8], const uint8_t *p, size_t nblocks) {
-    uint32_t w[64];
-    while (nblocks--) {
-        for (int i = 0; i < 16; i++)
-            w[i] = ((uint32_t)p[4 * i] << 24) | ((uint32_t)p[4 * i + 1] << 16) |
-                   ((uint32_t)p[4 * i + 2] << 8) | (uint32_t)p[4 * i + 3];
-        for (int i = 16; i < 64; i++) {
-            uint32_t s0 = ROR32(w[i - 15], 7) ^ ROR32(w[i - 15], 18) ^ (w[i - 15] >> 3);
-            uint32_t s1 = ROR32(w[i - 2], 17) ^ ROR32(w[i - 2], 19) ^ (w[i - 2] >> 10);
-            w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-        }
-        uint32_t a = st[0], b = st[1], c = st[2], d = st[3];
-        uint32_t e = st[4], f = st[5], g = st[6], h = st[7];
-        for (int i = 0; i < 64; i++) {
-            uint32_t t1 = h + (ROR32(e, 6) ^ ROR32(e, 11) ^ ROR32(e, 25)) + ((e & f) ^ (~e & g)) +
-                          K256[i] + w[i];
-            uint32_t t2 = (ROR32(a, 2) ^ ROR32(a, 13) ^ ROR32(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-            h = g;
-            g = f;
-            f = e;
-            e = d + t1;
-            d = c;
-            c = b;
-            b = a;
-            a = t1 + t2;
-        }
-        st[0] += a;
-        st[1] += b;
-        st[2] += c;
-        st[3] += d;
-        st[4] += e;
-        st[5] += f;
-        st[6] += g;
-        st[7] += h;
-        p += 64;
-    }
-}
 
 #ifdef KV_HAVE_SHANI
 /* The SHA extensions: 2 rounds per sha256rnds2, the message schedule by sha256msg1/msg2. */
@@ -138,8 +101,8 @@ static int cpu_has_shani(void) {
 #endif
 
 typedef void (*sha_blocks_fn)(uint32_t st[8], const uint8_t *p, size_t nblocks);
-static sha_blocks_fn sha_blocks = sha256_blocks_portable;
-static const char *sha_impl = "portable";
+static sha_blocks_fn sha_blocks = NULL; /* SHA-NI, or NULL: digests come from the callable */
+static const char *sha_impl = "none";
 
 /* SHA-256 of buf[0..n); buf must have room for n + 72 bytes (the padding is written there). */
 static void sha256_padded(uint8_t *buf, size_t n, uint8_t out[32]) {
@@ -366,6 +329,12 @@ static PyObject *chain_extend(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "extend(): bad serial, H, start, parent or output lists");
         return NULL;
     }
+    if (digest_fn == Py_None && sha_blocks == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "extend(): digest_fn None needs SHA-NI, which this CPU lacks; pass "
+                        "hashlib's sha256");
+        return NULL;
+    }
     int seq = PyList_CheckExact(toks) || PyTuple_CheckExact(toks); /* subclasses: sliced */
     if (stop > start && (H > PY_SSIZE_T_MAX / stop))
         return PyErr_NoMemory();
@@ -513,6 +482,12 @@ static PyObject *chain_sha256(PyObject *self, PyObject *arg) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
+    if (sha_blocks == NULL) {
+        PyMem_Free(buf);
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_RuntimeError, "no SHA-256 code in use: this CPU lacks SHA-NI");
+        return NULL;
+    }
     memcpy(buf, view.buf, (size_t)view.len);
     uint8_t out[32];
     sha256_padded(buf, (size_t)view.len, out);
@@ -522,16 +497,16 @@ static PyObject *chain_sha256(PyObject *self, PyObject *arg) {
 }
 
 PyDoc_STRVAR(use_sha_doc, "_use_sha(impl) -> str\n--\n\nSelect 'sha-ni' (if the CPU has it) or "
-                          "'portable'; returns the one in use. For tests and benchmarks.");
+                          "'none' (as a CPU without it); returns the one in use. For tests.");
 
 static PyObject *chain_use_sha(PyObject *self, PyObject *arg) {
     (void)self;
     const char *name = PyUnicode_AsUTF8(arg);
     if (name == NULL)
         return NULL;
-    if (strcmp(name, "portable") == 0) {
-        sha_blocks = sha256_blocks_portable;
-        sha_impl = "portable";
+    if (strcmp(name, "none") == 0) {
+        sha_blocks = NULL;
+        sha_impl = "none";
     }
 #ifdef KV_HAVE_SHANI
     else if (strcmp(name, "sha-ni") == 0 && cpu_has_shani()) {
@@ -557,7 +532,7 @@ static PyMethodDef chain_methods[] = {
     {"token_key", (PyCFunction)(void (*)(void))chain_token_key, METH_FASTCALL, token_key_doc},
     {"sha256", chain_sha256, METH_O, sha256_doc},
     {"_use_sha", chain_use_sha, METH_O, use_sha_doc},
-    {"sha_impl", chain_sha_impl, METH_NOARGS, "The SHA-256 code in use: 'sha-ni' or 'portable'."},
+    {"sha_impl", chain_sha_impl, METH_NOARGS, "The SHA-256 code in use: 'sha-ni' or 'none'."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -368,7 +368,7 @@ def _native_extender(algo: str) -> _Extender | None:
     if digest is _sha256 and _NATIVE.sha_impl() == "sha-ni":
         digest = None  # SHA-256 in C: 4x cheaper than a call into hashlib per block
     # Without SHA-NI, hashlib (OpenSSL's assembly, ARMv8 SHA instructions included) is
-    # called back per block: never slower than the extension's portable C, often faster.
+    # called back per block (the extension has no SHA-256 code but SHA-NI's).
     return functools.partial(_NATIVE.extend, serial, _ALGO_PARTS[algo][1], digest)
 
 
