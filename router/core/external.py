@@ -43,6 +43,7 @@ __all__ = [
     "lookup_chunks",
     "store_group_ids",
     "store_hit",
+    "store_spec_group_hits",
 ]
 
 
@@ -207,6 +208,28 @@ def store_hit(
             return 0
         hit = _find(layout, usable, seen, nh)
     return hit
+
+
+def store_spec_group_hits(
+    layout: ResolvedLayout, num_tokens: int, has: Presence, *, num_hashes: int | None = None
+) -> tuple[int, ...]:
+    """Each spec group's hit on the store alone at the lookup length (in
+    ``layout.spec_groups`` order): which group limits :func:`store_hit` (an explanation, not
+    a vLLM quantity)."""
+    a = _store_alignment(layout)
+    nh = num_tokens // layout.hash_block_size if num_hashes is None else num_hashes
+    token_len = num_tokens // a * a
+    if num_tokens < a or nh <= 0 or token_len <= 0:
+        return (0,) * len(layout.spec_groups)
+    seen = _Lookup(layout, token_len, nh, has)
+    h = layout.hash_block_size
+    out = []
+    for sg in layout.spec_groups:
+        spec = sg.spec
+        fine = layout.partial_hits and a < spec.block_size
+        lim = min(token_len, (num_tokens - 1) // a * a)
+        out.append(finder_for(spec)(spec, sg.group_ids, lim, seen, a, h, spec.eagle, fine, nh))
+    return tuple(out)
 
 
 def connector_load(

@@ -37,9 +37,7 @@ class SharedTier:
 
     __slots__ = ("capacity", "expired", "keys", "load_cost", "name", "ttl_s")
 
-    def __init__(
-        self, name: str, *, ttl_s: float, capacity_blocks: int, load_cost: float
-    ) -> None:
+    def __init__(self, name: str, *, ttl_s: float, capacity_blocks: int, load_cost: float) -> None:
         if ttl_s <= 0 or capacity_blocks < 1 or not 0 <= load_cost <= 1:
             raise ValueError(
                 f"shared tier {name!r}: ttl_s must be > 0, capacity_blocks >= 1 and "
