@@ -72,7 +72,9 @@ END_SEQ = 0xFFFF_FFFF_FFFF_FFFF
 
 _SEQ = struct.Struct(">Q")
 
-GapReason = Literal["no_replay_endpoint", "ring_overflow", "replay_timeout", "replay_failed"]
+GapReason = Literal[
+    "no_replay_endpoint", "ring_overflow", "replay_timeout", "replay_failed", "replay_dropped"
+]
 
 
 class StreamSpec(msgspec.Struct, frozen=True):
@@ -191,6 +193,10 @@ class StreamStats(msgspec.Struct):
     """Whether the subscriber holds a connection to the publisher now: its ZMTP handshake
     succeeded and the connection has not dropped since (a stream whose SUB connects;
     ``None`` where it cannot tell: a bound SUB, ``inproc://``)."""
+    replay_drops: int = 0
+    """Replays whose connection dropped before they ended (a reply over
+    ``max_message_bytes``, or the publisher gone): each is reported at once as a
+    ``GapUnrecoverable`` with reason ``replay_dropped``."""
     consumer_errors: int = 0
     """Exceptions raised by the consumer's callback (logged, then delivery goes on)."""
     last_seq: int | None = None
@@ -461,7 +467,8 @@ class StreamProcessor:
         return self._after(None, outputs, out)
 
     def on_replay_failed(self, reason: GapReason, out: list[StreamItem]) -> int | None:
-        """The replay timed out (``"replay_timeout"``) or could not be sent."""
+        """The replay timed out (``"replay_timeout"``), could not be sent or its connection
+        dropped (``"replay_dropped"``)."""
         outputs = self._outputs
         start = self.sequencer.replay_failed(reason, outputs)
         return self._after(start, outputs, out)

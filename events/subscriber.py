@@ -78,6 +78,7 @@ _SEQ = struct.Struct(">Q")
 _LIVE = 0
 _REPLAY = 1
 _MONITOR = 2  # a connecting SUB's socket monitor (connections and disconnections)
+_REPLAY_MONITOR = 3  # a replay DEALER's socket monitor (its connection dropping)
 _BURST = 256  # messages read from one socket before looking at the others
 #: Seconds :class:`Subscriber` waits for its thread to open the sockets; only a wedged
 #: machine takes more than milliseconds.
@@ -203,6 +204,7 @@ class _Core:
         self._subs: list[zmq.asyncio.Socket] = []
         self._monitors: dict[int, zmq.asyncio.Socket] = {}
         self._dealers: dict[int, zmq.asyncio.Socket] = {}
+        self._dealer_monitors: dict[int, zmq.asyncio.Socket] = {}
         self._task: asyncio.Task[None] | None = None
         #: The exception the reader task died of, if it did.
         self.failure: BaseException | None = None
@@ -319,6 +321,11 @@ class _Core:
                 if kind == _MONITOR:
                     self._on_monitor(idx, reader)
                     continue
+                if kind == _REPLAY_MONITOR:
+                    if _dropped(reader):
+                        start = self._replay_dropped(idx, out)
+                        await self._replay_io(idx, start, poller, where, out)
+                    continue
                 proc = procs[idx]
                 for _ in range(_BURST):
                     try:
@@ -400,6 +407,22 @@ class _Core:
             sock.disconnect(endpoint)
         sock.connect(endpoint)
 
+    def _replay_dropped(self, idx: int, out: list[StreamItem]) -> int | None:
+        """The replay DEALER's connection dropped: the ring's publisher went away, or one of
+        its replies was over ``max_message_bytes`` (libzmq then drops the connection, and a
+        replay of the same ring would meet the same frame). Nothing more can come on that
+        request, so the hole is reported now (``replay_dropped``), not at the idle
+        deadline; the live messages it held back go on."""
+        proc = self.procs[idx]
+        log.warning(
+            "stream %s: the replay connection to %s dropped (publisher gone, or a reply over "
+            "max_message_bytes=%d); its gap is lost",
+            proc.name, proc.spec.replay_endpoint, self._maxmsgsize,
+        )  # fmt: skip
+        with self.lock:
+            proc.stats.replay_drops += 1
+            return proc.on_replay_failed("replay_dropped", out)
+
     def _next_timeout_ms(self, mono: float) -> int | None:
         if not self.deadlines:
             return None
@@ -422,6 +445,11 @@ class _Core:
                 poller.unregister(old)
                 del where[old]
                 del self._dealers[idx]
+                mon = self._dealer_monitors.pop(idx)
+                poller.unregister(mon)
+                del where[mon]
+                old.disable_monitor()
+                mon.close(linger=0)
                 old.close(linger=0)
                 self.deadlines.pop(idx, None)
             if start is None:
@@ -429,6 +457,9 @@ class _Core:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.RCVHWM, 0)
             dealer.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
+            # Before connecting, so a drop is never missed: a reply over MAXMSGSIZE drops the
+            # connection, and the replay would otherwise be seen stuck only at its deadline.
+            mon = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             replay_ep = proc.spec.replay_endpoint
             try:
                 if replay_ep is None:  # unreachable: the sequencer never asks without one
@@ -436,6 +467,8 @@ class _Core:
                 bind_or_connect(dealer, replay_ep, bind=False)
                 await dealer.send_multipart((b"", _SEQ.pack(start)))
             except (zmq.ZMQError, ValueError) as exc:
+                dealer.disable_monitor()
+                mon.close(linger=0)
                 dealer.close(linger=0)
                 log.warning("replay request to %s failed: %s", replay_ep, exc)
                 with self.lock:
@@ -444,6 +477,9 @@ class _Core:
             self._dealers[idx] = dealer
             where[dealer] = (idx, _REPLAY, zmq.Socket.shadow(dealer.underlying))
             poller.register(dealer, zmq.POLLIN)
+            self._dealer_monitors[idx] = mon
+            where[mon] = (idx, _REPLAY_MONITOR, zmq.Socket.shadow(mon.underlying))
+            poller.register(mon, zmq.POLLIN)
             self.deadlines[idx] = time.monotonic() + self.replay_timeout
             return
 
@@ -464,9 +500,27 @@ class _Core:
             self._subs[i].disable_monitor()
             mon.close(linger=0)
         self._monitors.clear()
+        for i, mon in self._dealer_monitors.items():
+            self._dealers[i].disable_monitor()
+            mon.close(linger=0)
+        self._dealer_monitors.clear()
         for sock in [*self._subs, *self._dealers.values()]:
             sock.close(linger=0)
         self._dealers.clear()
+
+
+def _dropped(monitor: zmq.Socket) -> bool:
+    """Drain a replay DEALER's monitor; whether its connection dropped."""
+    dropped = False
+    while True:
+        try:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return dropped
+        try:
+            dropped |= parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
+        except Exception:  # pragma: no cover - libzmq's own two-frame format
+            continue
 
 
 class _Handoff:

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from events.hashing import BlockHasher, RequestKeys  # noqa: E402
-from events.layout import GroupKind, GroupSpec, HashSettings, ModelLayout  # noqa: E402
+from events.layout import GroupKind, GroupSpec, HashSettings, LayoutError, ModelLayout  # noqa: E402
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from gpu_emitter.block_pool import NULL_BLOCK  # noqa: E402
 from gpu_emitter.hybrid_pool import (  # noqa: E402
@@ -409,7 +409,9 @@ def test_api_errors_are_typed_and_clear() -> None:
     partial = ModelLayout(groups=FA_MAMBA64.groups, prefix_match_unit=16)
     with pytest.raises(UnsupportedLayout, match="partial"):
         HybridBlockPool(partial, 16)
-    with pytest.raises(UnsupportedLayout, match="retention_interval"):
+    # refused by events.layout.resolve already, as vLLM's
+    # _validate_prefix_cache_retention_interval does
+    with pytest.raises(LayoutError, match="retention_interval"):
         HybridBlockPool(ModelLayout(groups=(FA16, SWA64), retention_interval=24), 16)
 
 

@@ -112,3 +112,72 @@ def test_one_replicas_hostile_events_touch_nothing_else(pair) -> None:
     r = http.post("/admin/route/explain", json={"token_ids": prompt}, headers=ADMIN).json()
     bad_row = next(row for row in r["replicas"] if row["replica"] == "bad")
     assert "group count" in bad_row["untrusted_reason"]  # a settings problem outranks lost events
+
+
+def _trust(http: httpx.Client, replica: str) -> tuple[str, str | None]:
+    r = http.get("/admin/events", headers=ADMIN).json()
+    (row,) = [s for s in r["streams"] if s["replica"] == replica]
+    return row["trust"], row["untrusted_reason"]
+
+
+@pytest.mark.parametrize("bad_first", [False, True], ids=["good-first", "bad-first"])
+def test_learned_layout_one_replicas_conflict_quarantines_only_it(bad_first: bool) -> None:
+    """With the layout learned from events (``groups = []``), the replica whose events
+    contradict the others' (a larger ``block_size``, another kind in a group) is quarantined
+    with the reason in /admin and /metrics; the other keeps its layout, stays exact and keeps
+    predicting, whichever of the two spoke first."""
+    good, bad = FakeReplica("good"), FakeReplica("bad")
+    conflicts = [
+        _store(block_hashes=[21], block_size=32, token_ids=list(range(32))),  # group 0 at 32
+        _store(group_idx=1, block_hashes=[22]),  # group 1 as full attention (it is SWA)
+    ]
+    prompt = tokenizer.encode(" ".join(f"w{i}" for i in range(300, 400)))
+    with ServerThread(good.app) as gs, ServerThread(bad.app) as bs:
+        toml = router_toml({"good": (good, gs), "bad": (bad, bs)})
+        toml = toml.replace(toml[toml.index("groups = [") :].split("\n")[0], "groups = []")
+        with (
+            ServerThread(create_app(parse_config(toml))) as router,
+            httpx.Client(base_url=router.url, timeout=10) as http,
+        ):
+            if bad_first:
+                for ev in conflicts:
+                    bad.pub.publish([ev])
+                wait_for(
+                    lambda: _ingest_errors(http, "bad") or _trust(http, "bad")[0] == "exact",
+                    10,
+                    "the bad replica's events applied",
+                )
+            good.serve_prompt(prompt)
+            expected = good.own_hit(prompt)
+            assert expected > 0
+            # (again, if it spoke first: a hostile replica keeps publishing)
+            wait_for(lambda: _hits(http, prompt)["good"] == (expected, True), 10, "learned")
+            for ev in conflicts:
+                bad.pub.publish([ev])
+            wait_for(
+                lambda: _ingest_errors(http, "bad").get("layout_conflict", 0) >= 1,
+                10,
+                "the bad replica's conflict counted",
+            )
+            wait_for(lambda: _hits(http, prompt)["good"] == (expected, True), 10, "good exact")
+            assert _trust(http, "good") == ("exact", None)
+            trust, reason = _trust(http, "bad")
+            # first found wrong by its layout, or (spoke first) by its hashes: either way a
+            # settings problem, which a cache reset does not clear
+            assert trust == "untrusted" and ("pool layout" in reason or "hash" in reason), reason
+            assert _ingest_errors(http, "good") == {}
+            # the good replica keeps predicting what it serves after the conflict
+            more = tokenizer.encode(" ".join(f"w{i}" for i in range(500, 580)))
+            good.serve_prompt(more)
+            want = good.own_hit(more)
+            wait_for(lambda: _hits(http, more)["good"] == (want, True), 10, "good still exact")
+            text = http.get("/metrics").text
+            assert any(
+                line.startswith("kvrouter_replica_trust{")
+                and 'replica="bad"' in line
+                and 'state="untrusted"' in line
+                and line.endswith(" 1.0")
+                for line in text.splitlines()
+            )
+    good.close()
+    bad.close()

@@ -406,3 +406,35 @@ def test_incremental_replica_counts_equal_a_full_scan() -> None:
                 t = index._tiers[tier]
                 extra += sum(c - 1 for (sl, _), c in t.extra[g].items() if sl == slot)
         assert (s.blocks, s.extra_copies) == (blocks, extra)
+
+
+def test_partial_replica_keeps_a_full_attention_parent_while_a_child_is_held() -> None:
+    """After a late attach, copy counts are lower bounds: a key learned from an answer holds
+    one copy though the replica may hold two. Full attention is ancestor-closed in vLLM's
+    cache (a request holds a copy of every ancestor and frees it after the child), so a
+    removal that leaves a held child's parent without a copy took a duplicate: kept."""
+    index = make()
+    index.attached_late(A, "test")
+    index.attached_late(B, "test")
+    # learned from an answer: blocks 1, 2, 3 in FA (and the SWA window)
+    index.infer(A, [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3)])
+    index.infer(B, [(0, 1), (0, 2), (0, 3)])
+    # A's request stored its own block 4 after the hit; B's did not
+    index.apply_events(A, [stored([4], 0, parent=3)])
+    # a copy from before attach of each of 1..3 is evicted (tail first), on both
+    index.apply_events(A, [removed([3, 2, 1], 0)])
+    index.apply_events(B, [removed([3, 2, 1], 0)])
+    assert all(present(index, A, 0, h) for h in (1, 2, 3))  # 4 proves 3, 3 proves 2, ...
+    assert not any(present(index, B, 0, h) for h in (1, 2, 3))  # nothing proves B's: gone
+    (a,) = [s for s in index.stats() if s.replica == "A"]
+    assert a.closure_kept == 3
+    # the child goes first, then the parent: the last copy, dropped
+    index.apply_events(A, [removed([4], 0), removed([3], 0)])
+    assert not present(index, A, 0, 3) and present(index, A, 0, 2)
+    # SWA is not closed: its removal is taken as it comes
+    index.apply_events(A, [removed([3], 1)])
+    assert not present(index, A, 1, 3)
+    # an exact replica never needs it: counts are exact there
+    index.apply_events(A, [AllBlocksCleared(), stored([1], 0), stored([2], 0, parent=1)])
+    index.apply_events(A, [removed([1], 0)])
+    assert index.trust(A) == "exact" and not present(index, A, 0, 1)

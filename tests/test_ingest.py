@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from zmq_helpers import wait_for
+from zmq_helpers import LossyForwarder, wait_for
 
 from events.hashing import BlockHasher
 from events.layout import GroupKind, GroupSpec, ModelLayout
@@ -102,11 +102,12 @@ def test_signals_map_to_trust_changes() -> None:
     feeder(StreamBatch("a", 0, batch, False, 0.0))
     assert index.stats()[0].blocks > 0
     feeder(GapUnrecoverable("a", 1, 5, "ring_overflow"))
-    assert not index.is_trusted(("A", 0))
-    assert "1..4" in index.untrusted_reason(("A", 0))
+    # a mid-stream gap: state dropped, then partial (what follows is known), not untrusted
+    assert index.trust(("A", 0)) == "partial"
+    assert "1..4" in index.partial_reason(("A", 0))
     assert index.stats()[0].blocks == 0
     index.reset_replica(("A", 0))
-    assert index.is_trusted(("A", 0))
+    assert index.trust(("A", 0)) == "exact"
     feeder(MalformedMessage("a", 7, "bad msgpack"))
     assert "batch 7" in index.untrusted_reason(("A", 0))
     index.reset_replica(("A", 0))
@@ -114,3 +115,57 @@ def test_signals_map_to_trust_changes() -> None:
     assert "DP rank 1" in index.untrusted_reason(("A", 0))
     with pytest.raises(UnknownStream, match="streams mapping"):
         feeder(StreamBatch("zz", 0, batch, False, 0.0))
+
+
+def test_a_gap_the_ring_cannot_cover_makes_the_replica_partial() -> None:
+    """Real sockets: A's batches k+1..k+3 are lost on the way and its ring (2 batches) holds
+    only k+3 and k+4 when the gap is seen. Lost removals could leave stale keys, so A's
+    state is dropped; everything after the gap is applied and A stays routed on as *partial*
+    (a lower bound), not untrusted; B is untouched."""
+    x, y, z = (list(range(base, base + 200)) for base in (1000, 5000, 9000))
+    index = KVIndex(LAYOUT)
+    feeder = IndexFeeder(index, {"a": ("A", 0), "b": ("B", 0)})
+    predictor = Predictor(index)
+    wire_x = BlockHasher(LAYOUT.hash, 16).wire_chain(x)
+    with (
+        EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=2) as pub_a,
+        EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub_b,
+        LossyForwarder(pub_a.endpoint) as fwd,
+    ):
+        specs = [
+            StreamSpec("a", fwd.endpoint, pub_a.replay_endpoint),
+            StreamSpec("b", pub_b.endpoint, pub_b.replay_endpoint),
+        ]
+        with Subscriber(specs, on_item=feeder) as sub:
+            # Slow joiner: a batch published before the SUB is connected is never seen (and
+            # A's ring is short), so each poll publishes the stores again until both applied.
+            wait_for(
+                lambda: (
+                    pub_a.publish(prompt_events(x)) is not None
+                    and pub_b.publish(prompt_events(x)) is not None
+                    and predictor.predict(x).hit(("A", 0)).hit_tokens == 192
+                    and predictor.predict(x).hit(("B", 0)).hit_tokens == 192
+                ),
+                what="both replicas' stores applied",
+            )
+            k = pub_a.next_seq - 1
+            wait_for(lambda: feeder.applied.get("a") == k, what="A caught up")
+            fwd.drop |= {k + 1, k + 2, k + 3}  # the gap shows when k+4 arrives: ring k+3, k+4
+            removal = BlockRemoved(block_hashes=[wire_x[9]], medium="GPU", group_idx=1)
+            pub_a.publish([removal])  # lost: the index would keep a stale SWA block
+            pub_a.publish(prompt_events(y))  # lost
+            pub_a.publish([])  # k+3: lost on the way, replayed from the ring
+            pub_a.publish(prompt_events(z))  # k+4: its arrival shows the gap
+            wait_for(lambda: feeder.applied.get("a") == k + 4, what="A past the gap")
+            assert sub.stats()["a"].unrecoverable_gaps == 1
+    a = ("A", 0)
+    assert index.trust(a) == "partial" and index.is_trusted(a)
+    assert f"batches {k + 1}..{k + 2} lost (ring_overflow)" in index.partial_reason(a)
+    (sa,) = [s for s in index.stats() if s.replica == "A"]
+    assert sa.unrecoverable_gaps == 1 and sa.ingest_errors == {"lost_events": 1}
+    pred = predictor.predict(z)
+    assert pred.hit(a).hit_tokens == 192 and pred.hit(a).trust == "partial"  # after the gap
+    assert predictor.predict(x).hit(a).hit_tokens == 0  # dropped: its removal was lost
+    assert predictor.predict(y).hit(a).hit_tokens == 0  # unknown: a lower bound
+    assert predictor.predict(x).hit(("B", 0)).hit_tokens == 192
+    assert index.trust(("B", 0)) == "exact"

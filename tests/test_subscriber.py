@@ -752,7 +752,8 @@ def test_oversize_message_is_dropped_and_seen_as_a_gap(mode: str) -> None:
     huge = BlockStored(block_hashes=[1], token_ids=list(range(10_000)), block_size=16)
     with EventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub:
         spec = StreamSpec("a", pub.endpoint, pub.replay_endpoint)
-        with make(mode, [spec], max_message_bytes=limit, replay_timeout=0.3) as h:
+        # a long idle deadline: the drop must be reported long before it
+        with make(mode, [spec], max_message_bytes=limit, replay_timeout=60) as h:
             k = prime(lambda: pub.publish([removed(0)]), h)
             big = pub.publish([huge])
             assert big == k + 1 and len(encode_batch(KVEventBatch(1.0, [huge], 0))) > limit
@@ -764,12 +765,13 @@ def test_oversize_message_is_dropped_and_seen_as_a_gap(mode: str) -> None:
             assert big not in h.seqs()
             after = [b for b in h.batches() if b.seq > big]
             first_live = after[0].seq
-            # The ring's answer starts with the same oversize batch, so the replay DEALER is
-            # dropped too and goes quiet: the hole is reported at the (idle) deadline.
-            assert h.signals() == [GapUnrecoverable("a", big, first_live, "replay_timeout")]
+            # The ring's answer starts with the same oversize batch, so the replay DEALER's
+            # connection is dropped too: the hole is reported at once, not at the deadline.
+            assert h.signals() == [GapUnrecoverable("a", big, first_live, "replay_dropped")]
             assert [b.seq for b in after] == list(range(first_live, last + 1))
             st_ = h.stats()["a"]
             assert st_.replays == 1 and st_.malformed == 0 and not st_.replaying
+            assert st_.replay_drops == 1
             assert st_.disconnects >= 1  # the SUB dropped the connection; it was re-opened
 
 

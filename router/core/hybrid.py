@@ -37,6 +37,7 @@ __all__ = [
     "HitResult",
     "Presence",
     "blocks_behind_hit",
+    "bounded_replay",
     "chunked_local_hit",
     "find_longest_cache_hit",
     "finder_for",
@@ -94,6 +95,11 @@ class HitResult:
     num_uncached`` and caches checkpoints there (spec §4.1, §4.7)."""
     passes: int
     """Passes of the hybrid fixed-point loop (1 for the unitary coordinator, 0 when skipped)."""
+    replay_tokens: int = 0
+    """Bounded replay (``layout.prefix_replay_tokens`` > 0, DeepSeek-V4.1): how many of the
+    hit's last tokens the scheduler recomputes (``Scheduler._mark_prefix_replay``). The
+    compute saved is ``hit_tokens - replay_tokens``; ``cached_tokens`` still reports
+    ``hit_tokens``."""
 
 
 def full_attention_hit(
@@ -357,14 +363,16 @@ def find_longest_cache_hit(
         # look-ahead and no loop.
         sg = groups[0]
         spec = sg.spec
-        hit = finder_for(spec)(spec, sg.group_ids, max_length, has, a, h, spec.eagle, False, nh)
+        found = finder_for(spec)(spec, sg.group_ids, max_length, has, a, h, spec.eagle, False, nh)
+        hit, replay = bounded_replay(layout, found)
         return HitResult(
             hit,
-            (hit,) if explain else (),
-            0 if hit < max_length else None,
-            hit,
+            (found,) if explain else (),
+            0 if found < max_length else None,
+            found,
             0,
             1,
+            replay,
         )
 
     # HybridKVCacheCoordinator's fixed-point loop (spec §4.5).
@@ -427,7 +435,22 @@ def find_longest_cache_hit(
             if standalone[gi] < 0:
                 standalone[gi] = _standalone(layout, gi, max_length, has, nh)
         hits = tuple(standalone)
-    return HitResult(cand, hits, limiting, longest, longest - cand, passes)
+    hit, replay = bounded_replay(layout, cand)
+    return HitResult(hit, hits, limiting, longest, longest - cand, passes, replay)
+
+
+def bounded_replay(layout: ResolvedLayout, hit_tokens: int) -> tuple[int, int]:
+    """The scheduler's DeepSeek-V4.1 bounded replay on a local hit, as vLLM 0.32 applies it
+    after ``get_computed_blocks`` (``Scheduler.schedule``, no KV connector): with a replay
+    window W, a hit of ``0 < hit <= W`` tokens "would be recomputed in full and save nothing"
+    and is dropped to 0; a longer hit is kept (and reported as ``cached_tokens``) but its last
+    W tokens are recomputed (``_mark_prefix_replay``). Returns ``(hit, replayed tokens)``."""
+    w = layout.prefix_replay_tokens
+    if w <= 0 or hit_tokens <= 0:
+        return hit_tokens, 0
+    if hit_tokens <= w:
+        return 0, 0
+    return hit_tokens, w
 
 
 def _standalone(

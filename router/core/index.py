@@ -168,6 +168,10 @@ class IndexLimits:
     replica's junk names never use up the budget another's connector needs."""
     warn_interval_s: float = 60.0
     """One log warning per (replica, reason) per interval; every occurrence is still counted."""
+    max_closure_parents: int = 1 << 17
+    """Full-attention parents whose stored children a *partial* replica's index remembers
+    (KVIndex._close_ancestors); past it the oldest are forgotten (predictions stay a lower
+    bound, only less often exact). About 150 bytes each."""
 
 
 class ReplicaStats(msgspec.Struct):
@@ -199,6 +203,9 @@ class ReplicaStats(msgspec.Struct):
     partial_reason: str | None = None
     ingest_errors: dict[str, int] = {}
     """Refused events and ingest failures by reason (``kvrouter_ingest_errors_total``)."""
+    closure_kept: int = 0
+    """Removals of a partial replica's last known copy of a full-attention key that a held
+    child proved was not its last copy (KVIndex._close_ancestors)."""
 
 
 @dataclass(slots=True)
@@ -236,6 +243,9 @@ class _Replica:
     """Last warning time per reason label (the rate limit of IndexLimits.warn_interval_s)."""
     tiers_made: int = 0
     """Tiers this replica's events created (IndexLimits.max_extra_tiers bounds it)."""
+    children: dict[tuple[int, object], list[object]] | None = None
+    """While partial: full-attention ``(group, parent hash) -> child hashes`` seen stored, the
+    witnesses of KVIndex._close_ancestors (None while exact or untrusted)."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             (
@@ -252,6 +262,7 @@ class _Replica:
                 "conformance_skipped",
                 "late_attaches",
                 "inferred_blocks",
+                "closure_kept",
             ),
             0,
         )
@@ -316,6 +327,23 @@ def _salt_of(ev: BlockStored) -> str | bool | None:
 # Event kind strings mapped onto the layout's kinds; a missing group_idx means a single
 # full-attention group 0 (§6 item 2).
 _KIND_BY_NAME = {k.value: k for k in GroupKind}
+
+
+def _link(
+    children: dict[tuple[int, object], list[object]],
+    parent: tuple[int, object],
+    child: object,
+    cap: int,
+) -> None:
+    """Remember ``child`` under ``parent`` (KVIndex._close_ancestors): at most 8 children per
+    parent (any one held is proof), at most ``cap`` parents (the oldest forgotten first)."""
+    kids = children.get(parent)
+    if kids is None:
+        if len(children) >= cap:
+            del children[next(iter(children))]
+        children[parent] = [child]
+    elif child not in kids and len(kids) < 8:
+        kids.append(child)
 
 
 class KVIndex:
@@ -459,6 +487,7 @@ class KVIndex:
             raise ValueError(f"replica {snap.name}/dp{snap.dp_rank} already holds state")
         rep.trusted, rep.untrusted_reason = snap.trusted, snap.untrusted_reason
         rep.recoverable, rep.partial_reason = snap.recoverable, snap.partial_reason
+        rep.children = {} if rep.trusted and rep.partial_reason is not None else None
         rep.group_aware, rep.learned = snap.group_aware, dict(snap.learned)
         if learned and not self.declared.groups and self._resolved is None:
             try:
@@ -606,6 +635,8 @@ class KVIndex:
         as a conflict (the caller quarantines that replica) and the pool is left as it was, so
         one replica's events never make the others predict 0.
         """
+        if not rep.trusted and not rep.recoverable:
+            return None  # quarantined for its settings: it has no say in the pool's layout
         own, pool = rep.learned, self._learned
         for g, spec in own.items():
             have = pool.get(g)
@@ -657,8 +688,8 @@ class KVIndex:
         """Another replica whose own view holds every group of the pool's layout, alike."""
         pool = self._learned
         for o in self._replicas.values():
-            if o is rep:
-                continue
+            if o is rep or (not o.trusted and not o.recoverable):
+                continue  # a replica quarantined for its settings confirms nothing
             view = o.learned
             if all(
                 (s := view.get(g)) is not None
@@ -693,6 +724,8 @@ class KVIndex:
         rep = self._replica(key)
         if rep.down:
             self._back_up(rep)
+        if rep.children is not None:  # partial: the slow path that keeps ancestors closed
+            return self._apply_partial(key, rep, events)
         bit, slot, counters = rep.bit, rep.slot, rep.counters
         top, low, above = rep.mask_top, rep.mask_low, bit << 1
         tiers, tier_of, bit_objs = self._tiers, self._tier_of, self._bit_objs
@@ -855,6 +888,98 @@ class KVIndex:
             while self.entries and self.nbytes() > 0.9 * self.limits.max_bytes:
                 self._reclaim()
 
+    def _apply_partial(self, key: ReplicaKey, rep: _Replica, events: Iterable[object]) -> None:
+        """:meth:`apply_events` for a partial replica, keeping full attention ancestor-closed.
+
+        A partial replica's copy counts are lower bounds: a block cached before attach may
+        have had several physical copies (vLLM stores a full-attention block again when a
+        hybrid hit stopped short of it), and a key learned from an answer or stored since
+        holds one. The first ``BlockRemoved`` of such a key would drop it while the replica
+        still holds a copy: the next request on that prefix is predicted short (measured: 2
+        of 150 requests after a late attach). vLLM frees a request's blocks tail first into
+        an LRU queue, and a request that holds a block holds (touches or computes) a copy of
+        each of its full-attention ancestors, freed after it; so a cached full-attention
+        block's parent is cached too. Hence a removal that leaves the index without a key
+        one of whose children it still holds cannot have taken the last copy: the key is
+        kept (``closure_kept``). Checked after the batch, so a child removed later in the
+        same batch only makes the answer more cautious, never wrong."""
+        events = events if isinstance(events, list) else list(events)
+        fa = self._fa_groups()
+        children, rep.children = rep.children, None
+        watch = self._closure_scan(children, events, fa) if fa and children is not None else []
+        try:
+            self.apply_events(key, events)
+        finally:
+            if rep.trusted and rep.partial_reason is not None and rep.children is None:
+                rep.children = children
+        if watch and rep.children is not None:
+            self._close_ancestors(rep, rep.children, watch)
+
+    def _fa_groups(self) -> frozenset[int]:
+        """Group ids of the pool's full-attention-type groups (empty while not learned)."""
+        layout = self._resolved
+        if layout is None:
+            return frozenset()
+        return frozenset(g for sg in layout.spec_groups if sg.spec.is_fa_type for g in sg.group_ids)
+
+    def _closure_scan(
+        self, children: dict[tuple[int, object], list[object]], events: list, fa: frozenset[int]
+    ) -> list[tuple[int, object]]:
+        """Record the parent -> child links a batch's full-attention GPU stores show (a dense
+        store of full blocks: its parent, then each hash the parent of the next) and return
+        the removed keys that have recorded children."""
+        cap = self.limits.max_closure_parents
+        tier_of = self._tier_of
+        watch: list[tuple[int, object]] = []
+        for ev in events:
+            cls = type(ev)
+            if cls is BlockStored or cls is LazyTokensBlockStored:
+                g = ev.group_idx or 0
+                if g not in fa or tier_of.get(ev.medium) != "GPU" or not ev.block_hashes:
+                    continue
+                spec = self._group_spec(g)
+                if spec is None or ev.block_size != spec.block_size:
+                    continue  # a partial entry: not a block of the chain
+                prev = ev.parent_block_hash
+                for h in ev.block_hashes:
+                    if prev is not None:
+                        _link(children, (g, prev), h, cap)
+                    prev = h
+            elif cls is BlockRemoved:
+                g = ev.group_idx or 0
+                if g in fa and tier_of.get(ev.medium) == "GPU":
+                    watch.extend((g, h) for h in ev.block_hashes if (g, h) in children)
+        return watch
+
+    def _close_ancestors(
+        self,
+        rep: _Replica,
+        children: dict[tuple[int, object], list[object]],
+        watch: list[tuple[int, object]],
+    ) -> None:
+        """Hold again each watched key the batch dropped that has a held child (see
+        :meth:`_apply_partial`), until nothing changes (a re-held child proves its parent)."""
+        table_of = self._tiers["GPU"]
+        bit = rep.bit
+        pending = set(watch)
+        changed = True
+        while changed and pending:
+            changed = False
+            for g, h in list(pending):
+                if g >= len(table_of.tables):
+                    pending.discard((g, h))
+                    continue
+                table = table_of.tables[g]
+                if table.get(h, 0) & bit:
+                    pending.discard((g, h))
+                    continue
+                if any(table.get(c, 0) & bit for c in children.get((g, h), ())):
+                    self._hold(rep, table, h)
+                    rep.counters["closure_kept"] += 1
+                    pending.discard((g, h))
+                    changed = True
+        self.generation += 1
+
     def _new_tier(self, rep: _Replica, medium: object) -> str | None:
         """The tier a ``medium`` spelling names, memoized; None (counted, replica untrusted)
         when it is not a string or would be one tier too many for ``rep``.
@@ -951,22 +1076,64 @@ class KVIndex:
         """Mark ``rep`` untrusted. Every call is counted under ``label`` (a short, bounded
         reason for the metric); the log gets one line per (replica, label) per
         ``warn_interval_s``, so a replica that stays wrong cannot flood it."""
-        rep.ingest_errors[label] = rep.ingest_errors.get(label, 0) + 1
-        now = time.monotonic()
-        last = rep.warned.get(label)
-        if last is None or now - last >= self.limits.warn_interval_s:
-            rep.warned[label] = now
-            log.warning(
-                "pool %r replica %s/dp%d untrusted (%s, %d so far): %s",
-                self.pool, rep.name, rep.dp_rank, label, rep.ingest_errors[label], reason,
-            )  # fmt: skip
+        self._count(rep, label, "untrusted", reason)
         if rep.trusted or rep.recoverable:
             # A settings problem outranks lost events: it must not be cleared by a reset.
             rep.untrusted_reason = reason
             rep.recoverable = recoverable
             rep.down = label == "replica_down"
         rep.trusted = False
+        rep.children = None
+        if not recoverable and rep.slot == self._layout_source and not self.declared.groups:
+            self._relearn(rep)
         self.generation += 1
+
+    def _relearn(self, bad: _Replica) -> None:
+        """The replica the pool's learned layout follows was found wrong in its settings (its
+        hashes or its layout): it has no say any more. The pool's layout is taken from
+        another trusted replica whose own view resolves, or learned anew from the next
+        events; until then every replica predicts no hit (never a hit from a wrong layout).
+        Without this, a hostile or misconfigured replica that spoke first would have the
+        good replicas quarantined as the ones that disagree."""
+        log.warning(
+            "pool %r: replica %s/dp%d, which the learned layout followed, is untrusted for its "
+            "settings; the layout is learned again from the other replicas",
+            self.pool, bad.name, bad.dp_rank,
+        )  # fmt: skip
+        old_learned, old_resolved = self._learned, self._resolved
+        self._learned, self._resolved, self._layout_source = {}, None, None
+        for o in self._replicas.values():
+            if o is bad or not o.trusted or not o.learned:
+                continue
+            n = max(o.learned) + 1
+            if len(o.learned) != n:
+                continue
+            if o.learned == old_learned:  # it agrees with the layout in use: keep it as is
+                self._learned, self._resolved = old_learned, old_resolved
+                self._layout_source = o.slot
+                break
+            try:
+                layout = msgspec.structs.replace(
+                    self.declared, groups=tuple(o.learned[i] for i in range(n))
+                )
+                self._resolved = resolve(layout)
+            except LayoutError:
+                continue
+            self._learned, self._layout_source = dict(o.learned), o.slot
+            break
+
+    def _count(self, rep: _Replica, label: str, became: str, reason: str) -> None:
+        """Count one ingest problem under ``label``; log it at most once per (replica,
+        label) per ``warn_interval_s``."""
+        rep.ingest_errors[label] = rep.ingest_errors.get(label, 0) + 1
+        now = time.monotonic()
+        last = rep.warned.get(label)
+        if last is None or now - last >= self.limits.warn_interval_s:
+            rep.warned[label] = now
+            log.warning(
+                "pool %r replica %s/dp%d %s (%s, %d so far): %s",
+                self.pool, rep.name, rep.dp_rank, became, label, rep.ingest_errors[label], reason,
+            )  # fmt: skip
 
     # --------------------------------------------------------- stream signals
 
@@ -984,7 +1151,7 @@ class KVIndex:
         keys go, nothing is unknown any more, and it is trusted again unless its settings
         are what distrusted it."""
         self._wipe(rep)
-        rep.partial_reason = None
+        rep.partial_reason = rep.children = None
         if rep.recoverable:
             self._trust_again(rep)
 
@@ -1017,6 +1184,7 @@ class KVIndex:
         rep = self._replica(key)
         rep.counters["late_attaches"] += 1
         if rep.trusted and rep.partial_reason is None:
+            rep.children = {}
             rep.partial_reason = (
                 f"attached late ({detail}): blocks cached before are unknown until vLLM's "
                 f"answers show them or the replica's prefix cache is reset"
@@ -1034,6 +1202,14 @@ class KVIndex:
         rep = self._replica(key)
         tier = self._tiers["GPU"]
         added = 0
+        keys = list(keys)
+        if rep.children is not None:  # consecutive full-attention keys: parent and child
+            fa, prev = self._fa_groups(), {}
+            for g, h in keys:
+                if g in fa:
+                    if (p := prev.get(g)) is not None:
+                        _link(rep.children, (g, p), h, self.limits.max_closure_parents)
+                    prev[g] = h
         for g, h in keys:
             if 0 <= g < self.limits.max_groups:
                 added += self._hold(rep, tier.group(g)[0], h)
@@ -1058,6 +1234,35 @@ class KVIndex:
             recoverable=True,
             label="lost_events",
         )
+
+    def gap_lost(self, key: ReplicaKey, detail: str) -> None:
+        """Batches were lost in mid-stream and the replay ring no longer holds them.
+
+        What they said is unknown, removals included, so what the index holds of the replica
+        may be stale: it is wiped. From then on the stream is applied as after a late attach:
+        every batch since the gap is known and blocks cached before it are not, so the
+        replica is *partial* (routed on, its hit a lower bound that vLLM's answers raise),
+        not untrusted: a busy replica's subscriber that fell behind its ring must not turn
+        into load-only routing until someone flushes its cache. The loss is counted
+        (``unrecoverable_gaps``, ``kvrouter_ingest_errors_total{reason="lost_events"}``).
+        A replica untrusted for its settings stays so; one untrusted for lost or refused
+        events is wiped here too, so it becomes partial like the rest."""
+        rep = self._replica(key)
+        self._wipe(rep)
+        rep.counters["unrecoverable_gaps"] += 1
+        reason = (
+            f"lost events ({detail}): its state was dropped and the stream goes on; blocks "
+            f"cached before are unknown until vLLM's answers show them or the replica's "
+            f"prefix cache is reset"
+        )
+        if not (rep.trusted or (rep.recoverable and not rep.down)):
+            self._count(rep, "lost_events", "stays untrusted", reason)
+            return
+        self._count(rep, "lost_events", "partial", reason)
+        self._trust_again(rep)
+        rep.partial_reason = reason
+        rep.children = {}
+        self.generation += 1
 
     def seen_down(self, key: ReplicaKey, detail: str) -> None:
         """The replica was seen down or failing (health probe, ejection: router.core.health).
@@ -1085,6 +1290,7 @@ class KVIndex:
     def _back_up(self, rep: _Replica) -> None:
         """A batch continues the stream of a replica seen down (see :meth:`seen_down`)."""
         self._trust_again(rep)
+        rep.children = {}
         rep.partial_reason = (
             "it was seen down and its cache state was dropped; its stream went on without a "
             "restart, so blocks cached before are unknown until vLLM's answers show them or "

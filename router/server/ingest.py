@@ -5,9 +5,10 @@ Every item the event SDK delivers maps to one index operation (spec §3, §5.4):
 =====================  =================================================================
 ``StreamBatch``        apply its events in order to the stream's replica and DP rank
 ``StreamReset``        the replica restarted empty (vLLM sends nothing for it): wipe, trusted
-``GapUnrecoverable``   events lost for good: wipe and distrust until a known state returns;
-                       but a gap as the stream opens is a late attach (the ring dropped
-                       the replica's start, or the batches since a snapshot): *partial*
+``GapUnrecoverable``   events lost for good: wipe, then *partial* (what follows is applied,
+                       a lower bound); a gap as the stream opens is a late attach (the
+                       ring dropped the replica's start, or the batches since a
+                       snapshot): *partial* without a wipe
 ``MalformedMessage``   a batch that could not be read is a lost batch: same as a gap
 ``RankMismatch``       the batch belonged to another rank's cache and was dropped: same
 =====================  =================================================================
@@ -85,7 +86,7 @@ class IndexFeeder:
         elif cls is StreamReset:
             self.index.reset_replica(key)
         elif cls is GapUnrecoverable:
-            self.index.lost_events(
+            self.index.gap_lost(
                 key, f"batches {item.expected}..{item.got - 1} lost ({item.reason})"
             )
         elif cls is MalformedMessage:

@@ -136,6 +136,7 @@ class _StateCollector(Collector):
                     "unknown_removals",
                     "conformance_mismatches",
                     "inferred_blocks",
+                    "closure_kept",
                     "resets",
                     "late_attaches",
                 ):
@@ -150,7 +151,14 @@ class _StateCollector(Collector):
                     events.add_metric([*rep, typ], n)
                 if st.lag_s is not None:
                     lag.add_metric(rep, st.lag_s)
-                for kind in ("gaps", "replays", "unrecoverable_gaps", "resets", "malformed"):
+                for kind in (
+                    "gaps",
+                    "replays",
+                    "unrecoverable_gaps",
+                    "replay_drops",
+                    "resets",
+                    "malformed",
+                ):
                     gaps.add_metric([*rep, kind], getattr(st, kind))
         yield from (entries, nbytes, memo_steps, memo_capacity, homes)
         yield from (events, outcomes, lag, gaps)
