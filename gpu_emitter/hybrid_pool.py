@@ -77,6 +77,7 @@ from gpu_emitter.block_pool import NULL_BLOCK, BlockPoolCore, KVEvent
 from gpu_emitter.coordinator import CacheHit, make_coordinator
 from gpu_emitter.managers import MambaManager, manager_for
 from gpu_emitter.request import Request
+from gpu_emitter.shared_store import SharedStore, StoreConnector
 
 __all__ = [
     "DuplicateRequest",
@@ -197,6 +198,10 @@ class HybridBlockPool:
         prefill_chunk: vLLM's chunked-prefill budget (tokens per step for one long prompt):
             admission then runs one scheduling step per chunk, so its events split as
             vLLM's do. None: the whole prompt in one step.
+        store: a store shared with other replicas (vLLM's Mooncake store connector,
+            :mod:`gpu_emitter.shared_store`): admission loads from it what the connector
+            would, on top of the local hit, and saves the prompt's blocks to it, publishing
+            ``medium="cpu"`` events. None: no connector.
     """
 
     def __init__(
@@ -210,6 +215,7 @@ class HybridBlockPool:
         hook: EventHook | None = None,
         queue_events: bool | None = None,
         prefill_chunk: int | None = None,
+        store: SharedStore | None = None,
     ) -> None:
         if type(num_blocks) is not int or num_blocks < 2:
             raise ValueError(
@@ -232,6 +238,18 @@ class HybridBlockPool:
             raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
         self._requests: dict[str, Request] = {}
+        self.connector = (
+            None
+            if store is None
+            else StoreConnector(
+                store,
+                layout.groups,
+                r.hash_block_size,
+                r.scheduler_block_size,
+                layout.retention_interval,
+                self._emit,
+            )
+        )
 
         self.shape = shape
         self.device = torch.device(
@@ -421,9 +439,11 @@ class HybridBlockPool:
         """Start a request: hit, touch, allocate the prompt's slots and cache its full blocks.
 
         vLLM's ``get_computed_blocks`` + ``allocate_slots`` for the whole prompt. Returns the
-        hit in tokens, or None, with no state change at all, when the free blocks do not
-        suffice (the caller keeps the request waiting). Call :meth:`compute_prefill` next
-        (before another request can read these blocks), as the forward pass would.
+        hit in tokens (with a shared store: the local hit plus the tokens loaded from the
+        store, what vLLM reports as ``cached_tokens``), or None, with no state change at all,
+        when the free blocks do not suffice (the caller keeps the request waiting). Call
+        :meth:`compute_prefill` next (before another request can read these blocks), as the
+        forward pass would.
         """
         if req_id in self._requests:
             raise DuplicateRequest(
@@ -451,6 +471,8 @@ class HybridBlockPool:
             req_id, tokens, keys, hit, spb, a, len(self.managers), self.resolved.hash_block_size
         )
         req.wires = chain.wires()
+        if self.connector is not None and not skip_reading:
+            req.external = self.connector.matched_tokens(req.wires, n, hit)
         req.last_digest = chain.digest(len(chain) - 1) if len(chain) else self.hasher.none_hash
         for m, st, lst in zip(self.managers, req.groups, hit_lists, strict=True):
             st.blocks = list(lst)
@@ -460,7 +482,9 @@ class HybridBlockPool:
         for end in ends:
             self._step(req, end, record=True)
         self._requests[req_id] = req
-        return hit
+        if self.connector is not None:
+            self.connector.save(tokens, req.wires, n)
+        return hit + req.external
 
     def _step(self, req: Request, end: int, *, record: bool) -> None:
         """One scheduling step computing tokens ``[num_computed, end)`` (``allocate_slots``)."""

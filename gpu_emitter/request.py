@@ -51,6 +51,7 @@ class Request:
 
     __slots__ = (
         "cum",
+        "external",
         "groups",
         "hash_block_size",
         "hit",
@@ -83,6 +84,8 @@ class Request:
         self.keys = keys if keys is not None and not keys.empty else None
         self.hit = hit
         """Tokens the admission hit in the prefix cache."""
+        self.external = 0
+        """Tokens loaded from a shared store on top of ``hit`` (gpu_emitter.shared_store)."""
         self.num_prompt_tokens = len(tokens)
         self.shared_prefix_boundary = shared_prefix_boundary
         """vLLM's pinned junction (``hit + num_uncached``) or None (spec §4.1)."""

@@ -518,6 +518,37 @@ class KubernetesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"namespace {self.namespace!r} is not a Kubernetes namespace name")
 
 
+class SharedTierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A KV store every replica of the pool loads from (docs/external-tiers.md).
+
+    Its events (any replica's) make a block loadable by all replicas; the router predicts the
+    load by the connector's own rule (router.core.external) and reports ``hit_tokens`` =
+    local + loaded, as vLLM reports ``cached_tokens``."""
+
+    medium: str = "CPU"
+    """The ``medium`` the connector's events carry (any case: vLLM's Mooncake store
+    connector writes ``"cpu"``). Its events then no longer count as a per-replica tier."""
+    connector: Literal["mooncake_store"] = "mooncake_store"
+    """Whose load rule applies: vLLM 0.32's ``MooncakeStoreConnector``."""
+    load_cost: float = 0.25
+    """What a loaded token costs the policy, as a share of a prefilled token (0: free,
+    1: no better than recomputing it)."""
+    ttl_s: float = 600.0
+    """The store publishes no removals: a key is forgotten this long after its last store
+    event. Set it below the time the store keeps a block under load."""
+    capacity_blocks: int = 1_000_000
+    """At most this many keys are held (the oldest stored go first): about the store's size
+    in blocks times the number of groups it stores."""
+
+    def __post_init__(self) -> None:
+        if not self.medium or self.medium.upper() == "GPU":
+            raise ValueError("shared_tiers.medium must name a connector's tier, not GPU")
+        if not 0 <= self.load_cost <= 1 or self.ttl_s <= 0 or self.capacity_blocks < 1:
+            raise ValueError(
+                "shared_tiers: load_cost must be in 0..1, ttl_s > 0 and capacity_blocks >= 1"
+            )
+
+
 class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The replicas serving one model (the ``model`` field of requests selects the pool)."""
 
@@ -534,6 +565,8 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy: PolicyConfig = PolicyConfig()
     aliases: tuple[str, ...] = ()
     """Other model names routed to this pool (served-model-name aliases)."""
+    shared_tiers: tuple[SharedTierConfig, ...] = ()
+    """Stores the replicas share (``[[pools.shared_tiers]]``), e.g. a Mooncake store."""
 
     def __post_init__(self) -> None:
         if self.discovery == "kubernetes" and self.kubernetes is None:

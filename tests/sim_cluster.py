@@ -36,6 +36,7 @@ from gpu_emitter.cost_model import CostModel
 from gpu_emitter.engine import Engine
 from gpu_emitter.hybrid_pool import HybridBlockPool
 from gpu_emitter.server import ReplicaInfo, create_app
+from gpu_emitter.shared_store import SharedStore
 from router.config import RouterConfig, parse_config
 from router.server.app import create_app as create_router_app
 from tests.fake_replica import ServerThread
@@ -78,15 +79,18 @@ class SimReplica:
         *,
         max_num_seqs: int = 256,
         time_scale: float = 0.01,
+        store: SharedStore | None = None,
     ) -> None:
         """``max_num_seqs`` and ``time_scale`` are the engine's (a small batch and real-time
-        steps make requests queue, as on a loaded replica)."""
+        steps make requests queue, as on a loaded replica); ``store`` a store shared with
+        other replicas (gpu_emitter.shared_store)."""
         self.name = name
         self.max_num_seqs = max_num_seqs
         self.time_scale = time_scale
         self.num_blocks = num_blocks
         self.buffer_steps = buffer_steps
-        self.pool = HybridBlockPool(LAYOUT, num_blocks)
+        self.store = store
+        self.pool = HybridBlockPool(LAYOUT, num_blocks, store=store)
         self.publisher = EventPublisher(
             LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=buffer_steps
         )
@@ -164,7 +168,7 @@ class SimReplica:
         publisher numbering its batches from 0 (and its replay ring empty), HTTP again."""
         self.kill()
         endpoint, replay = self.publisher.endpoint, self.publisher.replay_endpoint
-        self.pool = HybridBlockPool(LAYOUT, self.num_blocks)
+        self.pool = HybridBlockPool(LAYOUT, self.num_blocks, store=self.store)
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -65,6 +65,7 @@ from events.schema import (
     LazyTokensBlockStored,
     UnknownEvent,
 )
+from router.core.shared_tier import SharedTier
 from router.core.snapshot import ReplicaSnapshot
 
 __all__ = [
@@ -386,6 +387,9 @@ class KVIndex:
         self._dicts: list[dict] = []
         self._tiers = {t: _Tier(self._dicts) for t in TIERS}
         self._tier_of: dict[object, str] = {None: "GPU", **{t: t for t in TIERS}}
+        self._shared: dict[str, SharedTier] = {}
+        """Tiers one store shared by the whole pool holds (router.core.shared_tier): their
+        events go there, pool-wide, instead of into per-replica bitmasks."""
         self._replicas: dict[ReplicaKey, _Replica] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -729,6 +733,8 @@ class KVIndex:
         bit, slot, counters = rep.bit, rep.slot, rep.counters
         top, low, above = rep.mask_top, rep.mask_low, bit << 1
         tiers, tier_of, bit_objs = self._tiers, self._tier_of, self._bit_objs
+        shared = self._shared
+        now = time.monotonic() if shared else 0.0
         max_groups, max_block = self.limits.max_groups, self.limits.max_block_size
         entries = self.entries
         held = rep.blocks
@@ -759,6 +765,10 @@ class KVIndex:
                         continue
                     if not aware:
                         g = 0
+                    if tier in shared:
+                        shared[tier].store(g, ev.block_hashes, now)
+                        counters["stored_blocks"] += len(ev.block_hashes)
+                        continue
                     if tier == "GPU":
                         # Only the GPU stream says whether the producer tags groups: connectors
                         # publish their own tiers with or without group_idx (spec §6.2).
@@ -826,6 +836,10 @@ class KVIndex:
                                 rep, "group_idx", f"group_idx {gi} outside 0..{max_groups - 1}"
                             )
                             continue
+                        if tier in shared:  # a store the pool shares (router.core.shared_tier)
+                            shared[tier].remove(gi, ev.block_hashes)
+                            removed += len(ev.block_hashes)
+                            continue
                         t = tiers[tier]
                         if gi >= len(t.tables):  # nothing was ever stored there: allocate nothing
                             unknown += len(ev.block_hashes)
@@ -867,6 +881,8 @@ class KVIndex:
                                     masks += _mask_bytes(rest) - top
                                 table[h] = rest
                 elif cls is AllBlocksCleared:
+                    for st in shared.values():  # a reset with reset_connector wipes the store
+                        st.clear()
                     self.entries, rep.blocks, self.mask_bytes = entries, held, masks
                     self._known_empty(rep)
                     entries = self.entries
@@ -1401,6 +1417,18 @@ class KVIndex:
     def tiers(self) -> list[str]:
         """Every tier the index has: GPU, CPU, STORAGE and the connectors' own names seen."""
         return list(self._tiers)
+
+    def share_tier(self, tier: SharedTier) -> None:
+        """Hold the tier ``tier.name`` (a medium, any case) pool-wide: every replica's events
+        of that medium fill one store view (router.core.shared_tier), which
+        :meth:`shared_tiers` gives to the predictor."""
+        name = tier.name.upper()
+        self._shared[name] = tier
+        self._tiers.setdefault(name, _Tier(self._dicts))
+        self._tier_of[name] = name
+
+    def shared_tiers(self) -> dict[str, SharedTier]:
+        return self._shared
 
     def tiers_in_use(self) -> list[str]:
         return [name for name, t in self._tiers.items() if any(t.tables)]

@@ -118,6 +118,9 @@ class Candidate:
     fa_prefix_tokens: int = 0
     """Longest single-group hit (``HitResult.longest``)."""
     tier_hits: Mapping[str, int] = field(default_factory=dict)
+    load_cost_tokens: float = 0.0
+    """Tokens of ``hit_tokens`` loaded from a shared store, weighted by their tier's
+    ``load_cost`` (router.core.external): what the load costs against a prefill."""
     blind_hit_tokens: int | None = None
     trusted: bool = True
     in_flight: int = 0
@@ -282,7 +285,7 @@ class KVCostPolicy(_CostPolicy):
         cfg = self.cfg
         if c.trusted:
             hit = c.hit_tokens
-            eff = float(hit)
+            eff = hit - c.load_cost_tokens
             for tier, th in c.tier_hits.items():
                 if th > hit:
                     eff += cfg.lower_tier_weights.get(tier, 0.0) * (th - hit)

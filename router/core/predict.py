@@ -14,11 +14,19 @@ then only probes the few sliding-window / Mamba blocks it needs, from a shared m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from events.hashing import BlockHasher, LazyChain, RequestKeys
 from events.layout import ResolvedLayout
+from router.core.external import (
+    ExternalHit,
+    connector_load,
+    store_group_ids,
+    store_hit,
+    store_spec_group_hits,
+)
 from router.core.hybrid import (
     HitResult,
     blocks_behind_hit,
@@ -47,6 +55,11 @@ class ReplicaHit:
     """Hybrid hits computed on the lower tiers (CPU, STORAGE) alone, where events exist."""
     partial_reason: str | None = None
     """Set when the replica is partial: ``hit_tokens`` is then a lower bound."""
+    external: dict[str, ExternalHit] = field(default_factory=dict)
+    """Per shared tier (a store the pool shares, router.core.external): what this replica
+    keeps locally and loads from it. With a load, ``hit_tokens`` is local + loaded."""
+    load_cost_tokens: float = 0.0
+    """The loaded tokens weighted by their tier's ``load_cost`` (for the policy)."""
 
     @property
     def trust(self) -> str:
@@ -64,6 +77,8 @@ class Prediction:
     """Fine hashes computed for the request (lazy: fewer than the chain when it misses)."""
     layout: ResolvedLayout | None
     replicas: tuple[ReplicaHit, ...]
+    store_group_hits: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Per shared tier, each spec group's hit on the store alone (explain only)."""
 
     def hit(self, replica: ReplicaKey) -> ReplicaHit:
         for r in self.replicas:
@@ -90,6 +105,18 @@ class Prediction:
                 "group_blind_hit_tokens": r.blind_hit_tokens,
                 "tier_hits": r.tier_hits,
             }
+            if r.external:
+                row["external"] = {
+                    t: {
+                        "local_tokens": e.local_tokens,
+                        "loaded_tokens": e.external_tokens,
+                        "store_hit_tokens": e.store_hit_tokens,
+                        "store_spec_group_hits": dict(
+                            zip(names, self.store_group_hits.get(t, ()), strict=False)
+                        ),
+                    }
+                    for t, e in r.external.items()
+                }
             if res is not None:
                 row["spec_group_hits"] = dict(zip(names, res.spec_group_hits, strict=False))
                 row["limiting_group"] = (
@@ -261,6 +288,7 @@ class Predictor:
             if t != "GPU"
         ]
         nh = len(chain)
+        stores = self._store_hits(layout, n, chain, nh, skip_reading, explain)
         # A replica whose first full-attention block misses gets the same answer as every
         # other such replica (nothing past it is probed), so it is computed once.
         first = layout.spec_groups[0]
@@ -309,19 +337,60 @@ class Predictor:
                 ).hit_tokens
                 for t, m in lower
             }
+            hit, external, cost = res.hit_tokens, {}, 0.0
+            for t, (e, load_cost) in stores[0].items():
+                ext = external[t] = connector_load(layout, res.hit_tokens, e)
+                if ext.external_tokens:
+                    hit = ext.cached_tokens
+                    cost += load_cost * ext.external_tokens
             out.append(
                 ReplicaHit(
                     r,
-                    res.hit_tokens,
+                    hit,
                     True,
                     None,
                     res,
                     blind_hit,
                     tier_hits,
                     index.partial_reason(r),
+                    external,
+                    cost,
                 )
             )
-        return Prediction(n, chain.hashed, layout, tuple(out))
+        return Prediction(n, chain.hashed, layout, tuple(out), stores[1])
+
+    def _store_hits(
+        self,
+        layout: ResolvedLayout,
+        n: int,
+        chain: LazyChain,
+        nh: int,
+        skip_reading: bool,
+        explain: bool,
+    ) -> tuple[dict[str, tuple[int, float]], dict[str, tuple[int, ...]]]:
+        """Per shared tier: the store's hit for this request (the same for every replica, the
+        store being the pool's) with the tier's load cost; and, with ``explain``, each spec
+        group's hit on the store alone."""
+        hits: dict[str, tuple[int, float]] = {}
+        groups: dict[str, tuple[int, ...]] = {}
+        shared = self.index.shared_tiers()
+        if not shared or skip_reading:
+            return hits, groups
+        now = time.monotonic()
+        to_store = {g: i for i, g in enumerate(store_group_ids(layout))}
+        for name, tier in shared.items():
+            tier.expire(now)
+            if not len(tier):
+                continue
+
+            def has(group_ids: tuple[int, ...], i: int, tier=tier) -> bool:
+                h = chain.wire(i)
+                return all(tier.has(to_store[g], h) for g in group_ids)
+
+            hits[name] = (store_hit(layout, n, has, num_hashes=nh), tier.load_cost)
+            if explain:
+                groups[name] = store_spec_group_hits(layout, n, has, num_hashes=nh)
+        return hits, groups
 
 
 def body_request_keys(body: dict) -> tuple[RequestKeys | None, bool]:

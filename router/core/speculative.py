@@ -58,6 +58,7 @@ from events.stream import StreamBatch, StreamItem
 from router.core.hybrid import HitResult
 from router.core.index import KVIndex, ReplicaKey
 from router.core.predict import Prediction, Predictor
+from router.core.shared_tier import SharedTier
 
 __all__ = ["SpeculativeOverlay", "speculative_blocks"]
 
@@ -145,6 +146,9 @@ class _View:
 
     def tiers_in_use(self) -> list[str]:
         return self._index.tiers_in_use()
+
+    def shared_tiers(self) -> dict[str, SharedTier]:
+        return self._index.shared_tiers()
 
     def table(self, tier: str, group: int) -> object:
         base = self._index.table(tier, group)

@@ -30,6 +30,7 @@ from router.core.index import KVIndex, ReplicaKey
 from router.core.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
 from router.core.predict import Prediction, Predictor, body_request_keys
 from router.core.pressure import DecayingSum
+from router.core.shared_tier import SharedTier
 from router.core.snapshot import SNAPSHOT_VERSION, IndexSnapshot, PoolSnapshot
 from router.core.speculative import SpeculativeOverlay
 from router.core.tokenize import RequestTokenizer, make_tokenizer
@@ -189,6 +190,15 @@ class PoolState:
         self.router = router
         self.name = cfg.model
         self.index = KVIndex(cfg.layout, limits=router.config.index.limits(), pool=cfg.model)
+        for t in cfg.shared_tiers:
+            self.index.share_tier(
+                SharedTier(
+                    t.medium,
+                    ttl_s=t.ttl_s,
+                    capacity_blocks=t.capacity_blocks,
+                    load_cost=t.load_cost,
+                )
+            )
         self.predictor = Predictor(self.index)
         self.speculative: SpeculativeOverlay | None = None
         if cfg.policy.speculative_insert and cfg.policy.name in ("kv", "prefix_group_blind"):
@@ -433,6 +443,7 @@ class PoolState:
                         hit_tokens=h.hit_tokens if h is not None else 0,
                         fa_prefix_tokens=res.longest if res is not None else 0,
                         tier_hits=h.tier_hits if h is not None else {},
+                        load_cost_tokens=h.load_cost_tokens if h is not None else 0.0,
                         blind_hit_tokens=h.blind_hit_tokens if h is not None else None,
                         trusted=h.trusted if h is not None else False,
                         in_flight=mine,
