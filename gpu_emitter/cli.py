@@ -117,6 +117,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="data-parallel rank: offsets both event ports (default 0)",
     )
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served besides the model, as vLLM's flag takes them: a request "
+        "whose model is NAME hashes its blocks with ('lora', NAME, PATH)",
+    )
+    parser.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
 
@@ -201,10 +209,26 @@ def _server_class() -> type:
     return Server
 
 
+def _lora_modules(specs: list[str]) -> dict[str, str] | str:
+    """``NAME=PATH`` pairs as a dict, or the problem with one of them."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            return f"--lora-modules {spec!r}: give NAME=PATH (as vLLM's --lora-modules takes it)"
+        if name in out:
+            return f"--lora-modules: adapter {name!r} given twice"
+        out[name] = path
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     problem = _check(args)
     if problem:
         return _fail(problem)
+    lora = _lora_modules(args.lora_modules)
+    if isinstance(lora, str):
+        return _fail(lora)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
     from gpu_emitter.layouts import load_layout
@@ -252,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         data_parallel_rank=args.dp_rank,
         event_sources=[event_source(publisher, args.events_endpoint, args.replay_endpoint)],
+        lora_modules=lora,
     )
     app = create_app(engine, info, on_shutdown=publisher.close)
 

@@ -190,11 +190,15 @@ class RequestHandle:
         prompt_token_ids: list[int],
         max_tokens: int,
         skip_reading: bool,
+        keys: Any = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
         self.max_tokens = max_tokens
         self.skip_reading = skip_reading
+        self.keys = keys
+        """What besides the token ids enters its block hashes (``events.hashing.RequestKeys``:
+        LoRA adapter, cache salt), or None."""
         self.output_token_ids: list[int] = []
         self.cached_tokens: int | None = None
         """The local prefix-cache hit of the first admission (vLLM's ``num_cached_tokens``)."""
@@ -324,8 +328,11 @@ class Engine:
         *,
         skip_reading: bool = False,
         req_id: str | None = None,
+        keys: Any = None,
     ) -> RequestHandle:
-        """Queue a request (FIFO) and return its handle."""
+        """Queue a request (FIFO) and return its handle. ``keys``: its extra hash keys
+        (``events.hashing.RequestKeys``), as vLLM derives them from the LoRA adapter and the
+        cache salt."""
         if self._closed:
             raise EngineClosedError("the replica is shutting down")
         if self._task is None or self._wake is None:
@@ -335,7 +342,7 @@ class Engine:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         rid = req_id if req_id is not None else f"req-{next(self._ids)}"
-        req = RequestHandle(rid, list(prompt_token_ids), max_tokens, skip_reading)
+        req = RequestHandle(rid, list(prompt_token_ids), max_tokens, skip_reading, keys)
         self._waiting.append(req)
         self._wake.set()
         return req
@@ -392,7 +399,7 @@ class Engine:
         while self._waiting and len(self._running) < self.max_num_seqs:
             req = self._waiting[0]
             tokens = req._all_token_ids()
-            hit = pool.admit(req.req_id, tokens, skip_reading=req.skip_reading)
+            hit = pool.admit(req.req_id, tokens, req.keys, skip_reading=req.skip_reading)
             if hit is None:
                 if not self._running:
                     self._waiting.popleft()

@@ -44,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from events.hashing import RequestKeys
 from gpu_emitter import tokenizer as tok
 from gpu_emitter.engine import Engine, EngineError, RequestHandle
 
@@ -81,6 +82,9 @@ class ReplicaInfo:
     started: float = field(default_factory=time.time)
     """The replica's epoch, exported as ``process_start_time_seconds`` as vLLM's API server
     does (Prometheus' process collector): a new replica process is a new value."""
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters served besides the base model, name -> path (vLLM's ``--lora-modules
+    name=path``): a request naming one hashes its blocks with ``("lora", name, path)``."""
 
 
 def _error_body(message: str, type_: str, status: int) -> bytes:
@@ -120,12 +124,33 @@ def _is_int(x: Any) -> bool:
 
 def _check_model(body: Mapping[str, Any], info: ReplicaInfo) -> None:
     model = body.get("model")
-    if model is not None and model != info.model_name:
+    if model is not None and model != info.model_name and model not in info.lora_modules:
         raise ApiError(
             f"The model `{model}` does not exist; this replica serves `{info.model_name}`.",
             404,
             "NotFoundError",
         )
+
+
+# vLLM 0.32's validate_cache_salt (entrypoints/generate/base/protocol.py)
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+_SALT_MAX = 128
+
+
+def _request_keys(body: Mapping[str, Any], info: ReplicaInfo) -> RequestKeys | None:
+    """The request's extra hash keys as vLLM derives them: the LoRA adapter its ``model``
+    names (name and path) and its ``cache_salt`` (refused as vLLM refuses it)."""
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt or len(salt) > _SALT_MAX:
+            raise ApiError(f"'cache_salt' must be a non-empty string of at most {_SALT_MAX} chars")
+        if _SALT_FORBIDDEN.intersection(salt):
+            raise ApiError("'cache_salt' must not contain '@', '/', '\\' or NUL")
+    path = info.lora_modules.get(body.get("model"))  # type: ignore[arg-type]
+    if path is None and salt is None:
+        return None
+    name = body.get("model") if path is not None else None
+    return RequestKeys(lora_name=name, lora_path=path, cache_salt=salt)
 
 
 def _token_list(ids: list[Any]) -> list[int]:
@@ -288,7 +313,9 @@ async def _serve(
     max_tokens = _max_tokens(body, len(ids), info, "max_tokens", "max_completion_tokens")
     stream, include_usage, skip_reading, return_ids = _common_options(body, kind.chat)
     try:
-        req = engine.submit(ids, max_tokens, skip_reading=skip_reading)
+        req = engine.submit(
+            ids, max_tokens, skip_reading=skip_reading, keys=_request_keys(body, info)
+        )
     except EngineError as exc:
         raise ApiError(str(exc), 503, "ServiceUnavailableError") from None
     rid = kind.id_prefix + uuid.uuid4().hex
@@ -511,7 +538,12 @@ def create_app(
             "max_model_len": info.max_model_len,
             "permission": [],
         }
-        return Response(_encode({"object": "list", "data": [card]}), media_type=_JSON)
+        # as vLLM lists adapters (entrypoints/openai/models/serving.py): root is the path
+        adapters = [
+            {**card, "id": name, "root": path, "parent": info.model_name}
+            for name, path in info.lora_modules.items()
+        ]
+        return Response(_encode({"object": "list", "data": [card, *adapters]}), media_type=_JSON)
 
     @app.get("/health")
     async def health() -> Response:

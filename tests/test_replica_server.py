@@ -57,6 +57,7 @@ class Replica:
                     "replay_endpoint": self.publisher.replay_endpoint,
                 }
             ],
+            lora_modules={"sql": "/adapters/sql-v1"},
         )
         app = create_app(self.engine, info, on_shutdown=self.publisher.close)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -237,6 +238,30 @@ def test_skip_reading_follows_vllms_request_rules(replica: Replica) -> None:
     assert cached(chat, echo=True, top_logprobs=None) == 0
 
 
+def test_lora_and_cache_salt_enter_the_hashes_as_in_vllm(replica: Replica) -> None:
+    p = ids(160, salt=9)
+
+    def cached(**extra: object) -> int:
+        r = replica.post("/v1/completions", {"prompt": p, "max_tokens": 2, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached() == 0
+    assert cached() == 144  # the base model's blocks
+    assert cached(model="sql") == 0  # ("lora", name, path) on every block: a disjoint chain
+    assert cached(model="sql") == 144
+    assert cached(cache_salt="tenant-a") == 0  # the salt on the first block: disjoint too
+    assert cached(cache_salt="tenant-a") == 144
+    assert cached(model="sql", cache_salt="tenant-a") == 0
+    for bad in ("a/b", "x@y", "", "s" * 129, 7):
+        r = replica.post("/v1/completions", {"prompt": p, "max_tokens": 2, "cache_salt": bad})
+        assert r.status_code == 400, bad
+    models = replica.client.get("/v1/models").json()["data"]
+    adapter = next(m for m in models if m["id"] == "sql")
+    assert adapter["root"] == "/adapters/sql-v1" and adapter["parent"] == MODEL
+    assert replica.post("/v1/completions", {"prompt": p, "model": "nope"}).status_code == 404
+
+
 # -- tokenize, models, health, metrics, sources -------------------------------------------
 
 
@@ -291,7 +316,7 @@ def test_tokenize_matches_builtin_tokenizer(replica: Replica) -> None:
 
 def test_models_health_and_event_sources(replica: Replica) -> None:
     models = replica.client.get("/v1/models").json()
-    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert [m["id"] for m in models["data"]] == [MODEL, "sql"]  # the base model, then adapters
     assert models["data"][0]["max_model_len"] == MAX_LEN
     assert replica.client.get("/health").status_code == 200
     src = replica.client.get("/kv_event_sources").json()
