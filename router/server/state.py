@@ -521,6 +521,7 @@ class PoolState:
         body: dict[str, Any],
         exclude: set[ReplicaKey],
         homed: dict[ReplicaKey, int] | None,
+        now: float | None = None,
     ) -> tuple[Decision, Prediction] | None:
         """The kv policy's decision scoring only the replicas that can differ from the
         rest (router.core.shortlist; docs/decision-cost.md), and the prediction of those
@@ -529,7 +530,8 @@ class PoolState:
         policy = self.policy
         if type(policy) is not KVCostPolicy or self.speculative is not None:
             return None
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         if self._dirty:
             self._refresh_book(now)
         if not len(self._book):  # nothing surely routable: the full scan (and its panic)
@@ -571,7 +573,7 @@ class PoolState:
         base = short.prediction
         pred = Prediction(base.num_tokens, base.hashed, base.layout, tuple(reported.values()))
         if rng_before is not None:
-            self._check_shortlist(token_ids, body, exclude, homed, rng_before, decision, pred)
+            self._check_shortlist(token_ids, body, exclude, homed, now, rng_before, decision, pred)
         return decision, pred
 
     def _check_shortlist(
@@ -580,6 +582,7 @@ class PoolState:
         body: dict[str, Any],
         exclude: set[ReplicaKey],
         homed: dict[ReplicaKey, int] | None,
+        now: float,
         rng_before: object,
         fast: Decision,
         fast_pred: Prediction,
@@ -592,7 +595,7 @@ class PoolState:
         after = rng.getstate()
         rng.setstate(rng_before)
         pred = self.predict(token_ids, body)
-        ref = policy.choose(len(token_ids), self.candidates(pred, exclude, homed))
+        ref = policy.choose(len(token_ids), self.candidates(pred, exclude, homed, now))
         problems = []
         if rng.getstate() != after:
             problems.append("the RNG was consumed differently")
