@@ -8,7 +8,6 @@ contents in both groups and a lower tier, random prompts -- several decisions in
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 
@@ -16,11 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.decide_bench import pool_from_toml
 from events.schema import BlockStored
-from router.config import PolicyConfig, parse_config
+from router.config import PolicyConfig
 from router.core.policy import Candidate, KVCostPolicy, NoCandidates, queued_tokens
 from router.core.shortlist import LoadBook, choose_shortlist
-from router.server.state import PoolState, RouterState, ShortlistMismatch
+from router.server.state import PoolState, ShortlistMismatch
 
 KEYS = [(f"r{i:02d}", r) for i in range(40) for r in (0, 1)]
 
@@ -149,17 +149,7 @@ groups = [{groups}]
         dp = ", ".join(str(r) for r in range(ranks))
         toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
         toml += f"dp_ranks = [{dp}]\n"
-    config = parse_config(toml)
-    pool = PoolState(config.pools[0], RouterState(config))
-
-    async def add() -> None:
-        for rcfg in config.pools[0].replicas:
-            await pool.add_replica(rcfg)
-
-    asyncio.run(add())
-    for key in pool.index.replicas():
-        pool.index.reset_replica(key)  # no event stream here: known empty, trusted
-    return pool
+    return pool_from_toml(toml)
 
 
 def _store(pool: PoolState, key: tuple[str, int], tokens: list[int], groups, medium="GPU"):  # type: ignore[no-untyped-def]
