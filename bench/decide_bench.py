@@ -76,6 +76,12 @@ speculative_routing = {"true" if routing else "false"}
         toml += f"affinity_weight = {affinity_weight}\n"
     for name in names:
         toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
+    return pool_from_toml(toml)
+
+
+def pool_from_toml(toml: str) -> PoolState:
+    """The first pool of a config, its replicas added (no event stream: each reset to
+    known-empty, so trusted)."""
     config = parse_config(toml)
     pool = PoolState(config.pools[0], RouterState(config))
 
@@ -84,8 +90,8 @@ speculative_routing = {"true" if routing else "false"}
             await pool.add_replica(rcfg)
 
     asyncio.run(add())
-    for name in names:
-        pool.index.reset_replica((name, 0))  # no event stream here: known empty, trusted
+    for key in pool.index.replicas():
+        pool.index.reset_replica(key)  # no event stream here: known empty, trusted
     return pool
 
 

@@ -8,7 +8,8 @@ of the shipped layout ``fa_swa``; speculation off and prefix homes on, the shipp
 fills its index through ``KVIndex.apply_events`` from encoded vLLM batches, as the router's
 subscriber does, and measures:
 
-- **decisions**: ``PoolState.decide`` p50/p99 (µs) per prompt length (``--tokens``) and kind:
+- **decisions**: ``PoolState.decide`` p50/p99 (µs) and the replicas it scored one by one
+  (docs/decision-cost.md) per prompt length (``--tokens``) and kind:
   *stored* (the whole prompt cached on two replicas, and hashed by the router before: its
   memo is warm), *half-shared* (the first half is an earlier turn cached on two replicas, the
   second half new) and *novel* (no replica holds its first block);
@@ -236,6 +237,7 @@ def decisions(
     a few untimed ones; each prompt is made before its clock starts."""
     times: list[float] = []
     hits: list[int] = []
+    scored: list[int] = []
     for _ in range(3):
         pool.decide(prompt(), {})  # type: ignore[operator]
     gc.collect()
@@ -247,6 +249,7 @@ def decisions(
         times.append(time.perf_counter() - t0)
         pred = choice.prediction
         hits.append(max((r.hit_tokens for r in pred.replicas), default=0) if pred else 0)
+        scored.append(len(choice.decision.ranked))
     s = sorted(times)
     return {
         "n": len(s),
@@ -254,6 +257,7 @@ def decisions(
         "p99_us": 1e6 * s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)],
         "mean_us": 1e6 * statistics.fmean(s),
         "best_hit_tokens": int(statistics.median(hits)),
+        "scored": int(statistics.median(scored)),
     }
 
 
@@ -308,13 +312,16 @@ def markdown(doc: dict) -> str:
         "",
         f"## Decision (`PoolState.decide`), µs; up to {a['n']} decisions per cell",
         "",
-        "| replicas | tokens | prompt | n | p50 µs | p99 µs | best hit (tokens) |",
-        "|---:|---:|---|---:|---:|---:|---:|",
+        "`scored`: replicas the decision scored one by one (median; the kv policy's shortlist, "
+        "docs/decision-cost.md, stands for the others by their load).",
+        "",
+        "| replicas | tokens | prompt | n | p50 µs | p99 µs | best hit (tokens) | scored |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for c in doc["cells"]:
         lines.append(
             f"| {c['replicas']} | {c['tokens']} | {c['kind']} | {c['n']} | {c['p50_us']:,.0f} "
-            f"| {c['p99_us']:,.0f} | {c['best_hit_tokens']} |"
+            f"| {c['p99_us']:,.0f} | {c['best_hit_tokens']} | {c['scored']} |"
         )
     lines += [
         "",

@@ -96,7 +96,11 @@ def test_decisions_keep_each_request_with_its_predicted_and_reported_hit(
     assert row["predicted_hit"] == predicted and row["cached_tokens"] == reported
     assert row["status"] == 200 and row["pool"] == MODEL and row["num_tokens"] == 201
     assert row["reason"] == "best_hit" and row["trust"] == "exact" and row["tokenized"]
-    assert {h["replica"] for h in row["hits"]} == set(NAMES)
+    # the replicas predicted one by one: those holding the prompt's first block (the cold
+    # request's replica among them) and the chosen one; every other had no hit
+    # (docs/decision-cost.md)
+    listed = {h["replica"] for h in row["hits"]}
+    assert row["replica"] in listed and listed <= set(NAMES)
     assert row["best_hit"] == max(h["hit_tokens"] for h in row["hits"]) == predicted
     # the hybrid loop's largest single-group result bounds the hit from above
     assert row["longest_group_hit"] >= predicted

@@ -50,9 +50,12 @@ def test_quick_run_prints_every_row_with_plausible_values(tmp_path: Path) -> Non
     assert [(r[0], r[1], r[2]) for r in decisions] == [
         (str(n), "2048", kind) for n in (8, 64) for kind in KINDS
     ]
-    for _reps, _tokens, kind, n, p50, p99, hit in decisions:
+    for _reps, _tokens, kind, n, p50, p99, hit, scored in decisions:
         assert 20 <= int(n) <= 40
         assert 0 < _num(p50) <= _num(p99)
+        # the shortlist (docs/decision-cost.md): the two holders and the home at most, the
+        # chosen replica alone for a novel prompt, whatever the fleet's size
+        assert 1 <= int(scored) <= (1 if kind == "novel" else 3)
         # stored: all but the last block's token (vLLM never hits a whole prompt);
         # half-shared: the cached first half; novel: nothing
         assert int(hit) == {"stored": 2032, "half-shared": 1024, "novel": 0}[kind]

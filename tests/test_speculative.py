@@ -181,6 +181,7 @@ def burst(pool: PoolState, n: int = 4) -> list[Any]:
         rep = pool.replicas[key[0]]
         rep.in_flight[0] += 1
         rep.pending_prefill[0] += choice.num_tokens - choice.decision.chosen.hit_tokens
+        rep.touch()  # as the proxy does: the pool's load-ordered book follows
         out.append(choice)
     return out
 

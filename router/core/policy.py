@@ -89,6 +89,7 @@ from typing import Protocol
 from router.config import PolicyConfig
 
 __all__ = [
+    "NO_CANDIDATES",
     "Candidate",
     "Decision",
     "KVCostPolicy",
@@ -99,6 +100,7 @@ __all__ = [
     "RoundRobinPolicy",
     "Scored",
     "make_policy",
+    "queued_tokens",
 ]
 
 ReplicaKey = tuple[str, int]
@@ -106,6 +108,9 @@ ReplicaKey = tuple[str, int]
 
 class NoCandidates(RuntimeError):
     """Every replica of the pool is drained, removed or failed for this request."""
+
+
+NO_CANDIDATES = "no replica can take the request: undrain or add a replica"
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +195,10 @@ class Policy(Protocol):
         ...
 
 
-def _queued(c: Candidate, cfg: PolicyConfig) -> float:
+def queued_tokens(c: Candidate, cfg: PolicyConfig) -> float:
+    """The ``queued`` term of a candidate (module docstring): the work ahead of a request
+    there, in prefill tokens. Request-independent, so router.core.shortlist orders replicas
+    by it between requests."""
     running = c.running or 0
     q = (
         c.pending_prefill_tokens
@@ -218,6 +226,15 @@ class _CostPolicy:
     def score(self, num_tokens: int, c: Candidate) -> Scored:
         raise NotImplementedError
 
+    def tie_rng(self, commit: bool) -> random.Random:
+        """The RNG a decision breaks ties with: the policy's own, or (``commit=False``) a
+        copy of it, so asking leaves the next real decision's draw as it was."""
+        if commit:
+            return self.rng
+        rng = random.Random()
+        rng.setstate(self.rng.getstate())
+        return rng
+
     def _banded(self, scored: list[Scored]) -> list[Scored]:
         """``load_band_tokens``: queued work within the band of the least queued candidate
         counts as equal (module docstring, load band)."""
@@ -235,11 +252,8 @@ class _CostPolicy:
         self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
     ) -> Decision:
         if not candidates:
-            raise NoCandidates("no replica can take the request: undrain or add a replica")
-        rng = self.rng
-        if not commit:
-            rng = random.Random()
-            rng.setstate(self.rng.getstate())
+            raise NoCandidates(NO_CANDIDATES)
+        rng = self.tie_rng(commit)
         scored = sorted(
             self._banded([self.score(num_tokens, c) for c in candidates]),
             key=lambda s: (s.cost, s.key),
@@ -282,6 +296,12 @@ class KVCostPolicy(_CostPolicy):
         return super().choose(num_tokens, candidates, commit=commit)
 
     def score(self, num_tokens: int, c: Candidate) -> Scored:
+        return self.score_queued(num_tokens, c, queued_tokens(c, self.cfg))
+
+    def score_queued(self, num_tokens: int, c: Candidate, queued: float) -> Scored:
+        """:meth:`score` with ``queued`` given (``queued_tokens(c, cfg)``): the same float
+        operations in the same order, so a replica router.core.shortlist scores from its
+        load-ordered book costs exactly what the full scan computes."""
         cfg = self.cfg
         if c.trusted:
             hit = c.hit_tokens
@@ -294,7 +314,6 @@ class KVCostPolicy(_CostPolicy):
         else:
             hit, eff, ahead, affinity = 0, 0.0, 0.0, 0.0
         prefill = max(0.0, num_tokens - eff)
-        queued = _queued(c, cfg)
         pressure = cfg.pressure_weight * c.recent_new_tokens
         cost = prefill + queued - ahead + pressure - affinity
         return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure, affinity)
@@ -309,7 +328,7 @@ class PrefixGroupBlindPolicy(_CostPolicy):
     def score(self, num_tokens: int, c: Candidate) -> Scored:
         hit = (c.blind_hit_tokens or 0) if c.trusted else 0
         prefill = float(max(0, num_tokens - hit))
-        queued = _queued(c, self.cfg)
+        queued = queued_tokens(c, self.cfg)
         return Scored(c.key, prefill + queued, hit, float(hit), prefill, queued, 0.0)
 
 
@@ -319,7 +338,7 @@ class LeastLoadPolicy(_CostPolicy):
     name = "least_load"
 
     def score(self, num_tokens: int, c: Candidate) -> Scored:
-        queued = _queued(c, self.cfg)
+        queued = queued_tokens(c, self.cfg)
         return Scored(c.key, queued, c.hit_tokens if c.trusted else 0, 0.0, 0.0, queued, 0.0)
 
 
@@ -336,7 +355,7 @@ class RoundRobinPolicy:
         self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
     ) -> Decision:
         if not candidates:
-            raise NoCandidates("no replica can take the request: undrain or add a replica")
+            raise NoCandidates(NO_CANDIDATES)
         order = sorted(candidates, key=lambda c: c.key)
         i = self._next % len(order)
         if commit:

@@ -35,7 +35,7 @@ from router.core.hybrid import (
 )
 from router.core.index import KVIndex, ReplicaKey
 
-__all__ = ["Prediction", "Predictor", "ReplicaHit", "body_request_keys"]
+__all__ = ["Prediction", "Predictor", "ReplicaHit", "Shortlist", "body_request_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +66,19 @@ class ReplicaHit:
         if not self.trusted:
             return "untrusted"
         return "partial" if self.partial_reason is not None else "exact"
+
+
+@dataclass(frozen=True, slots=True)
+class Shortlist:
+    """:meth:`Predictor.shortlist`'s answer: the replicas that can have a hit, predicted."""
+
+    prediction: Prediction
+    """Over the holders of the first full-attention block only."""
+    held: dict[ReplicaKey, ReplicaHit]
+    zero: HitResult
+    """Every other replica's hybrid result (no hit, nothing probed past the first block)."""
+    lower: tuple[str, ...]
+    """The lower tiers in use (a trusted replica's ``tier_hits`` names each, at 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +239,8 @@ class Predictor:
 
     def __init__(self, index: KVIndex) -> None:
         self.index = index
+        self._slots: dict[int, ReplicaKey] = {}
+        """Slot bit -> replica (:meth:`_key_of`), rebuilt when it is found stale."""
 
     def hasher(self) -> BlockHasher | None:
         """The index's block hasher (None until the layout is known)."""
@@ -276,6 +291,19 @@ class Predictor:
             )
             return Prediction(n, 0, layout, hits)
         chain = hasher.lazy_chain(token_ids, keys)
+        return self._predict(layout, chain, n, targets, skip_reading, explain, blind)
+
+    def _predict(
+        self,
+        layout: ResolvedLayout,
+        chain: LazyChain,
+        n: int,
+        targets: Sequence[ReplicaKey],
+        skip_reading: bool,
+        explain: bool,
+        blind: bool,
+    ) -> Prediction:
+        index = self.index
         trusted_bits = 0
         for r in targets:
             if index.is_trusted(r):
@@ -391,6 +419,85 @@ class Predictor:
             if explain:
                 groups[name] = store_spec_group_hits(layout, n, has, num_hashes=nh)
         return hits, groups
+
+    def shortlist(
+        self,
+        token_ids: Sequence[int],
+        keys: RequestKeys | None = None,
+        *,
+        skip_reading: bool = False,
+    ) -> Shortlist | None:
+        """The replicas that can have a hit for this request, predicted, and what every
+        other replica's prediction is (router.core.shortlist): those holding the first
+        full-attention block in some indexed tier, read off that block's bitmasks (one
+        lookup per tier and group, whatever the number of replicas). Each is predicted as
+        :meth:`predict` predicts it; every other replica's FA run is 0, so its prediction is
+        the one :meth:`predict` shares among such replicas. None where that rule does not
+        hold (no layout yet, a first spec group that is not full attention, partial hits):
+        predict every replica then."""
+        index = self.index
+        layout = index.layout
+        hasher = self.hasher()
+        n = len(token_ids)
+        if layout is None or hasher is None or n == 0 or not layout.spec_groups:
+            return None
+        first = layout.spec_groups[0]
+        if not first.spec.is_fa_type or layout.partial_hits:
+            return None
+        if self.index.shared_tiers():
+            # a store the pool shares gives every replica a loadable hit: no replica is
+            # "without a hit", so the load-ordered rest would be scored wrong; full scan
+            return None
+        chain = hasher.lazy_chain(token_ids, keys)
+        lower = tuple(t for t in index.tiers_in_use() if t != "GPU")
+        held = 0
+        for h in chain.iter_block_wires(first.spec.block_size // layout.hash_block_size):
+            for tier in ("GPU", *lower):
+                m = -1
+                for g in first.group_ids:
+                    m &= index.table(tier, g).get(h, 0)
+                held |= m
+            break  # the first block alone
+        holders = []
+        while held > 0:
+            low = held & -held
+            held ^= low
+            key = self._key_of(low)
+            if key is not None:
+                holders.append(key)
+        prediction = self._predict(layout, chain, n, holders, skip_reading, False, False)
+        nobody = _Masks(index, "GPU", len(layout.layout.groups), chain, 0)
+        zero = find_longest_cache_hit(
+            layout,
+            n,
+            _Presence(nobody, 0),
+            num_hashes=len(chain),
+            skip_reading=skip_reading,
+            explain=False,
+        )
+        return Shortlist(prediction, {h.replica: h for h in prediction.replicas}, zero, lower)
+
+    def absent_hit(self, shortlist: Shortlist, key: ReplicaKey) -> ReplicaHit:
+        """:meth:`predict`'s answer for a replica ``shortlist`` found holding nothing."""
+        index = self.index
+        if not index.is_trusted(key):
+            return ReplicaHit(key, 0, False, index.untrusted_reason(key), None, None)
+        tiers = dict.fromkeys(shortlist.lower, 0)
+        partial = index.partial_reason(key)
+        return ReplicaHit(key, 0, True, None, shortlist.zero, None, tiers, partial)
+
+    def _key_of(self, bit: int) -> ReplicaKey | None:
+        """The replica whose slot bit is ``bit`` (None: no replica has it now)."""
+        key = self._slots.get(bit)
+        if key is not None:
+            try:
+                if self.index.slot_bit(key) == bit:
+                    return key
+            except KeyError:  # removed since
+                pass
+        index = self.index
+        self._slots = {index.slot_bit(k): k for k in index.replicas()}
+        return self._slots.get(bit)
 
 
 def body_request_keys(body: dict) -> tuple[RequestKeys | None, bool]:

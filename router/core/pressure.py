@@ -28,9 +28,15 @@ __all__ = ["DecayingSum"]
 
 
 class DecayingSum:
-    """A sum whose terms halve every ``half_life_s`` seconds."""
+    """A sum whose terms halve every ``half_life_s`` seconds.
 
-    __slots__ = ("_at", "_rate", "_value")
+    A read stores nothing but the latest time read (a clock that went backwards reads the
+    value at that time): the value at ``now`` is then the same float however often, or
+    whether at all, it was read before, so router.core.shortlist, which reads only the
+    replicas a request could go to, and the full scan, which reads every one, see the same
+    pressure (with a monotonic clock)."""
+
+    __slots__ = ("_at", "_rate", "_seen", "_value")
 
     def __init__(self, half_life_s: float) -> None:
         if not half_life_s > 0:
@@ -38,18 +44,24 @@ class DecayingSum:
         self._rate = math.log(2) / half_life_s
         self._value = 0.0
         self._at = 0.0
-
-    def _decay(self, now: float) -> None:
-        dt = now - self._at
-        if dt > 0:
-            self._value *= math.exp(-self._rate * dt)
-            self._at = now
+        """When ``_value`` was the sum (the last add)."""
+        self._seen = 0.0
+        """The latest time read or added at."""
 
     def add(self, amount: float, now: float) -> None:
-        self._decay(now)
+        t = now if now > self._seen else self._seen
+        self._seen = t
+        dt = t - self._at
+        if dt > 0:
+            self._value *= math.exp(-self._rate * dt)
+            self._at = t
         self._value += amount
 
     def value(self, now: float) -> float:
         """The sum at ``now`` (a clock that went backwards reads the last value)."""
-        self._decay(now)
+        t = now if now > self._seen else self._seen
+        self._seen = t
+        dt = t - self._at
+        if dt > 0:
+            return self._value * math.exp(-self._rate * dt)
         return self._value

@@ -65,21 +65,26 @@ def _act(pool: PoolState, rep: ReplicaState, change: Change | None) -> None:
 def begin_attempt(rep: ReplicaState) -> bool:
     """An attempt is about to be sent to ``rep``; returns whether it is a half-open trial
     (pass it to :func:`end_attempt`)."""
-    return rep.health.begin(time.monotonic())
+    trial = rep.health.begin(time.monotonic())
+    rep.touch()
+    return trial
 
 
 def attempt_answered(pool: PoolState, rep: ReplicaState) -> None:
     """The attempt's first response byte arrived (a status below 500): ``rep`` serves."""
     _act(pool, rep, rep.health.succeeded(time.monotonic()))
+    rep.touch()
 
 
 def attempt_failed(pool: PoolState, rep: ReplicaState, error: str) -> None:
     """The attempt failed before its first byte (connect error, timeout, 5xx)."""
     _act(pool, rep, rep.health.failed(time.monotonic(), error))
+    rep.touch()
 
 
 def end_attempt(rep: ReplicaState, trial: bool) -> None:
     rep.health.end(trial)
+    rep.touch()
 
 
 # -- probes --------------------------------------------------------------------------------
@@ -101,6 +106,7 @@ async def probe_replica(pool: PoolState, rep: ReplicaState) -> None:
         return  # removed while the probe ran
     log.debug("probe", extra=kv(pool=pool.name, replica=rep.name, error=error))
     _act(pool, rep, rep.health.probe(time.monotonic(), error is None, error))
+    rep.touch()
 
 
 async def probe_once(state: RouterState) -> None:

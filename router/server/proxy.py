@@ -401,6 +401,7 @@ class Proxy:
         pending = max(0, choice.num_tokens - choice.decision.chosen.hit_tokens)
         rep.in_flight[rank] = rep.in_flight.get(rank, 0) + 1
         rep.pending_prefill[rank] = rep.pending_prefill.get(rank, 0) + pending
+        rep.touch()  # its queued work changed (the pool's load-ordered book)
         choice.pool.wrote(rep, rank, pending)
         gauge = self._m.in_flight.labels(choice.pool.name, key[0])
         gauge.inc()
@@ -510,12 +511,14 @@ class Proxy:
                 choice.pool.speculative.finish(choice.insertion)
             self._release_pending(rep, rank, pending)
             rep.in_flight[rank] -= 1
+            rep.touch()
             gauge.dec()
 
     @staticmethod
     def _release_pending(rep: ReplicaState, rank: int, pending: int) -> None:
         if pending:
             rep.pending_prefill[rank] = max(0, rep.pending_prefill.get(rank, 0) - pending)
+            rep.touch()
 
     def _check(
         self,

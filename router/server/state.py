@@ -14,8 +14,10 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +29,19 @@ from router.config import PoolConfig, ReplicaConfig, RouterConfig
 from router.core.affinity import PrefixHomes
 from router.core.health import ReplicaHealth
 from router.core.index import KVIndex, ReplicaKey
-from router.core.policy import Candidate, Decision, LeastLoadPolicy, Policy, make_policy
-from router.core.predict import Prediction, Predictor, body_request_keys
+from router.core.policy import (
+    Candidate,
+    Decision,
+    KVCostPolicy,
+    LeastLoadPolicy,
+    Policy,
+    make_policy,
+    queued_tokens,
+)
+from router.core.predict import Prediction, Predictor, ReplicaHit, body_request_keys
 from router.core.pressure import DecayingSum
 from router.core.shared_tier import SharedTier
+from router.core.shortlist import LoadBook, choose_shortlist
 from router.core.snapshot import SNAPSHOT_VERSION, IndexSnapshot, PoolSnapshot
 from router.core.speculative import SpeculativeOverlay
 from router.core.tokenize import RequestTokenizer, make_tokenizer
@@ -41,9 +52,20 @@ from router.server.metrics import RouterMetrics
 from router.server.upstream import UpstreamPool
 from router.server.vllm_metrics import parse_start_time, restarted
 
-__all__ = ["DiscoveryStatus", "PoolState", "ReplicaState", "RouteChoice", "RouterState"]
+__all__ = [
+    "DiscoveryStatus",
+    "PoolState",
+    "ReplicaState",
+    "RouteChoice",
+    "RouterState",
+    "ShortlistMismatch",
+]
 
 log = logging.getLogger("kvrouter.serve")
+
+
+_WATCHED = frozenset({"drained", "others_running", "others_waiting", "kv_usage"})
+"""ReplicaState fields the kv cost reads, replaced whole when they change (drain, scrape)."""
 
 
 @dataclass
@@ -89,10 +111,24 @@ class ReplicaState:
     source: str = "static"
     """Who added it: ``static`` (the config file), ``admin`` (``POST /admin/replicas``) or
     ``kubernetes`` (pod discovery, router.server.discovery)."""
+    on_change: Callable[[str], None] | None = None
+    """Set by its pool: told (:meth:`touch`) whenever what the kv cost reads of this replica
+    changes, so the pool's load-ordered book (router.core.shortlist) follows."""
 
     @property
     def name(self) -> str:
         return self.cfg.name
+
+    def touch(self) -> None:
+        """Its load, drain or health changed: whoever changes the in-flight counts or the
+        health calls this; setting one of :data:`_WATCHED` calls it by itself."""
+        if self.on_change is not None:
+            self.on_change(self.cfg.name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _WATCHED:
+            self.touch()
 
     def as_dict(self) -> dict[str, Any]:
         now, wall = time.monotonic(), time.time()
@@ -182,8 +218,21 @@ class RouteChoice:
     prediction check; the last decisions show it, router.server.decisions)."""
 
 
+class ShortlistMismatch(RuntimeError):
+    """The shortlist decision differed from the full scan's (only raised when
+    ``PoolState.check_shortlist`` is on, as the test suite turns it on): a bug, or a change
+    to a replica's load that did not call :meth:`ReplicaState.touch`."""
+
+
 class PoolState:
-    """One served model: its index, predictor, policy, tokenizer and replicas."""
+    """One served model: its index, predictor, policy, tokenizer and replicas.
+
+    Decisions take the shortlist path (router.core.shortlist; docs/decision-cost.md) where
+    it applies and the full scan otherwise; both choose the same replica."""
+
+    check_shortlist = False
+    """Run the full scan beside every shortlist decision and raise :class:`ShortlistMismatch`
+    when they differ (tests/conftest.py turns it on for the whole suite)."""
 
     def __init__(self, cfg: PoolConfig, router: RouterState) -> None:
         self.cfg = cfg
@@ -219,6 +268,13 @@ class PoolState:
         self.tokenizer: RequestTokenizer = make_tokenizer(
             cfg.tokenizer, model=cfg.model, urls=self.live_urls
         )
+        self._book = LoadBook()
+        """Replicas the shortlist may stand for by load alone (:meth:`_refresh_book`)."""
+        self._irregular: set[ReplicaKey] = set()
+        """Replicas (and DP ranks) of the pool not in the book: always scored one by one."""
+        self._book_keys: dict[str, list[ReplicaKey]] = {}
+        self._dirty: set[str] = set()
+        """Replicas whose load, drain or health changed since the book was refreshed."""
 
     def live_urls(self) -> list[str]:
         """Where a remote tokenizer may call: replicas neither drained, down nor ejected."""
@@ -307,6 +363,8 @@ class PoolState:
                 self.index.remove_replica(rcfg.name, r)
             raise
         self.replicas[rcfg.name] = rep
+        rep.on_change = self._dirty.add
+        rep.touch()
         return rep
 
     async def _open_streams(self, rep: ReplicaState, restored: dict[str, int] | None) -> None:
@@ -377,10 +435,12 @@ class PoolState:
         for r in rep.ranks:
             self._forget_routing((name, r))
             self.index.reset_replica((name, r))
+        rep.touch()
         await self._open_streams(rep, None)
 
     async def remove_replica(self, name: str) -> None:
         rep = self.replicas.pop(name)
+        rep.touch()
         if rep.subscriber is not None:
             try:
                 await rep.subscriber.close()
@@ -420,42 +480,155 @@ class PoolState:
         prediction: Prediction | None,
         exclude: set[ReplicaKey],
         homed: dict[ReplicaKey, int] | None = None,
+        now: float | None = None,
     ) -> list[Candidate]:
+        """Every replica (and DP rank) a request may go to, with its hit and load: the full
+        scan's candidates."""
         hits = {h.replica: h for h in prediction.replicas} if prediction is not None else {}
         homed = homed or {}
         out = []
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         reps, panic = self.rotation(now)
         if panic:  # one at a time, in panic order (rotation)
             reps = [r for r in reps if any((r.name, k) not in exclude for k in r.ranks)][:1]
         for rep in reps:
             for r in rep.ranks:
                 key = (rep.name, r)
-                if key in exclude:
-                    continue
-                h = hits.get(key)
-                res = h.result if h is not None else None
-                mine = rep.in_flight.get(r, 0)
-                others = _get(rep.others_running, r)
-                out.append(
-                    Candidate(
-                        key,
-                        hit_tokens=h.hit_tokens if h is not None else 0,
-                        fa_prefix_tokens=res.longest if res is not None else 0,
-                        tier_hits=h.tier_hits if h is not None else {},
-                        load_cost_tokens=h.load_cost_tokens if h is not None else 0.0,
-                        blind_hit_tokens=h.blind_hit_tokens if h is not None else None,
-                        trusted=h.trusted if h is not None else False,
-                        in_flight=mine,
-                        pending_prefill_tokens=rep.pending_prefill.get(r, 0),
-                        recent_new_tokens=w.value(now) if (w := rep.written.get(r)) else 0.0,
-                        home_tokens=homed.get(key, 0),
-                        running=None if others is None else mine + others,
-                        waiting=_get(rep.others_waiting, r),
-                        kv_usage=_get(rep.kv_usage, r, avg=True),
-                    )
-                )
+                if key not in exclude:
+                    out.append(_candidate(rep, r, hits.get(key), homed.get(key, 0), now))
         return out
+
+    # ----------------------------------------------------- the shortlist path
+
+    def _refresh_book(self, now: float) -> None:
+        """Re-file the replicas touched since the last decision: in the book (by their
+        ``queued`` term) when a no-hit, no-home request's cost there is ``prefill + queued``
+        and they are routable whatever the time (healthy, not drained), else irregular."""
+        pressure = self.cfg.policy.pressure_weight > 0
+        cfg = self.policy.cfg if isinstance(self.policy, KVCostPolicy) else self.cfg.policy
+        book, irregular = self._book, self._irregular
+        for name in self._dirty:
+            for key in self._book_keys.pop(name, ()):
+                book.discard(key)
+                irregular.discard(key)
+            rep = self.replicas.get(name)
+            if rep is None:
+                continue
+            keys = self._book_keys[name] = [(name, r) for r in rep.ranks]
+            regular = not rep.drained and rep.health.state(now) == "healthy"
+            for key in keys:
+                q = queued_tokens(_candidate(rep, key[1], None, 0, now), cfg)
+                if regular and math.isfinite(q) and not (pressure and key[1] in rep.written):
+                    book.put(key, q)
+                else:
+                    irregular.add(key)
+        self._dirty.clear()
+
+    def _decide_shortlist(
+        self,
+        token_ids: list[int],
+        body: dict[str, Any],
+        exclude: set[ReplicaKey],
+        homed: dict[ReplicaKey, int] | None,
+        now: float | None = None,
+    ) -> tuple[Decision, Prediction] | None:
+        """The kv policy's decision scoring only the replicas that can differ from the
+        rest (router.core.shortlist; docs/decision-cost.md), and the prediction of those
+        (with the chosen replica's). None: it does not apply; decide by the full scan.
+        With :attr:`check_shortlist` the full scan runs too and must agree."""
+        policy = self.policy
+        if type(policy) is not KVCostPolicy or self.speculative is not None:
+            return None
+        if now is None:
+            now = time.monotonic()
+        if self._dirty:
+            self._refresh_book(now)
+        if not len(self._book):  # nothing surely routable: the full scan (and its panic)
+            return None
+        keys, skip = body_request_keys(body)
+        short = self.predictor.shortlist(token_ids, keys, skip_reading=skip)
+        if short is None:
+            return None
+        homed = homed or {}
+        held = short.held
+        reported = dict(held)
+        explicit = []
+        book = self._book
+        skipped = {k for k in exclude if k in book}
+        for key in {**held, **homed, **dict.fromkeys(self._irregular)}:
+            if key in book:
+                skipped.add(key)
+            if key in exclude:
+                continue
+            rep = self.replicas.get(key[0])
+            if (
+                rep is None
+                or rep.drained
+                or key[1] not in rep.ranks
+                or not rep.health.routable(now)
+            ):
+                continue
+            h = held.get(key)
+            if h is None:
+                h = reported[key] = self.predictor.absent_hit(short, key)
+            explicit.append(_candidate(rep, key[1], h, homed.get(key, 0), now))
+        rng_before = policy.rng.getstate() if self.check_shortlist else None
+        decision = choose_shortlist(policy, len(token_ids), explicit, book, skipped)
+        if decision is None:
+            return None
+        chosen = decision.chosen.key
+        if chosen not in reported:
+            reported[chosen] = self.predictor.absent_hit(short, chosen)
+        base = short.prediction
+        pred = Prediction(base.num_tokens, base.hashed, base.layout, tuple(reported.values()))
+        if rng_before is not None:
+            self._check_shortlist(token_ids, body, exclude, homed, now, rng_before, decision, pred)
+        return decision, pred
+
+    def _check_shortlist(
+        self,
+        token_ids: list[int],
+        body: dict[str, Any],
+        exclude: set[ReplicaKey],
+        homed: dict[ReplicaKey, int] | None,
+        now: float,
+        rng_before: object,
+        fast: Decision,
+        fast_pred: Prediction,
+    ) -> None:
+        """:attr:`check_shortlist`: the full scan, from the RNG state the shortlist started
+        with, must choose the same replica with the same scores and tie count, and leave the
+        RNG where the shortlist left it."""
+        policy = self.policy
+        rng = policy.rng  # type: ignore[attr-defined]
+        after = rng.getstate()
+        rng.setstate(rng_before)
+        pred = self.predict(token_ids, body)
+        ref = policy.choose(len(token_ids), self.candidates(pred, exclude, homed, now))
+        problems = []
+        if rng.getstate() != after:
+            problems.append("the RNG was consumed differently")
+            rng.setstate(after)
+        if ref.chosen.key != fast.chosen.key or ref.tied != fast.tied:
+            problems.append(
+                f"chose {fast.chosen.key} ({fast.tied} tied), the full scan "
+                f"{ref.chosen.key} ({ref.tied} tied)"
+            )
+        scores = {s.key: s for s in ref.ranked}
+        problems += [
+            f"scored {s} where the full scan scored {scores.get(s.key)}"
+            for s in fast.ranked
+            if scores.get(s.key) != s
+        ]
+        hits = {h.replica: h for h in pred.replicas}
+        problems += [
+            f"predicted {h} where the full scan predicted {hits.get(h.replica)}"
+            for h in fast_pred.replicas
+            if hits.get(h.replica) != h
+        ]
+        if problems:
+            raise ShortlistMismatch(f"pool {self.name!r}: " + "; ".join(problems))
 
     def _forget_routing(self, key: ReplicaKey) -> None:
         """What the router's own decisions recorded about ``key`` (speculative entries, prefix
@@ -480,6 +653,7 @@ class PoolState:
             w = rep.written.get(rank)
             if w is None:
                 w = rep.written[rank] = DecayingSum(self.cfg.policy.pressure_half_life_s)
+                rep.touch()
             w.add(new_tokens, time.monotonic())
 
     def predict(
@@ -511,27 +685,31 @@ class PoolState:
     ) -> RouteChoice:
         pred = spec = insertion = new_homes = None
         if token_ids:
-            pred = self.predict(token_ids, body, explain)
             overlay = self.speculative
-            if overlay is not None:
-                keys, skip = body_request_keys(body)
-                try:
-                    spec = overlay.predict(
-                        token_ids,
-                        keys,
-                        skip_reading=skip,
-                        explain=explain,
-                        blind=explain or self.policy.needs_blind,
-                    )
-                except Exception:  # speculation is an optimisation: never fail a request
-                    log.exception("speculative prediction failed; routing on events only")
-            basis = spec if spec is not None and self.cfg.policy.speculative_routing else pred
             homes = self.homes
             home_keys = homes.keys(token_ids) if homes is not None else []
             homed = homes.homed(home_keys) if homes is not None else None
-            decision = self.policy.choose(
-                len(token_ids), self.candidates(basis, exclude, homed), commit=not explain
-            )
+            fast = None if explain else self._decide_shortlist(token_ids, body, exclude, homed)
+            if fast is not None:
+                decision, pred = fast
+            else:
+                pred = self.predict(token_ids, body, explain)
+                if overlay is not None:
+                    keys, skip = body_request_keys(body)
+                    try:
+                        spec = overlay.predict(
+                            token_ids,
+                            keys,
+                            skip_reading=skip,
+                            explain=explain,
+                            blind=explain or self.policy.needs_blind,
+                        )
+                    except Exception:  # speculation is an optimisation: never fail a request
+                        log.exception("speculative prediction failed; routing on events only")
+                basis = spec if spec is not None and self.cfg.policy.speculative_routing else pred
+                decision = self.policy.choose(
+                    len(token_ids), self.candidates(basis, exclude, homed), commit=not explain
+                )
             if homes is not None and not explain:
                 new_homes = homes.record(home_keys, decision.chosen.key)
             if overlay is not None and not explain:
@@ -577,6 +755,31 @@ async def _start_times(replicas: list[ReplicaConfig], router: RouterState) -> di
 
     found = await asyncio.gather(*(one(r) for r in replicas))
     return {name: t for name, t in found if t is not None}
+
+
+def _candidate(
+    rep: ReplicaState, r: int, h: ReplicaHit | None, home_tokens: int, now: float
+) -> Candidate:
+    """What the policy knows about ``rep``'s rank ``r`` for one request (``h``: its hit)."""
+    res = h.result if h is not None else None
+    mine = rep.in_flight.get(r, 0)
+    others = _get(rep.others_running, r)
+    return Candidate(
+        (rep.name, r),
+        hit_tokens=h.hit_tokens if h is not None else 0,
+        fa_prefix_tokens=res.longest if res is not None else 0,
+        tier_hits=h.tier_hits if h is not None else {},
+        load_cost_tokens=h.load_cost_tokens if h is not None else 0.0,
+        blind_hit_tokens=h.blind_hit_tokens if h is not None else None,
+        trusted=h.trusted if h is not None else False,
+        in_flight=mine,
+        pending_prefill_tokens=rep.pending_prefill.get(r, 0),
+        recent_new_tokens=w.value(now) if (w := rep.written.get(r)) else 0.0,
+        home_tokens=home_tokens,
+        running=None if others is None else mine + others,
+        waiting=_get(rep.others_waiting, r),
+        kv_usage=_get(rep.kv_usage, r, avg=True),
+    )
 
 
 def _get(d: dict[int, float], rank: int, avg: bool = False) -> Any:

@@ -1,0 +1,310 @@
+"""The shortlist decision (router.core.shortlist, PoolState._decide_shortlist) equals the full
+scan's: same replica, same tie count, same scores for what it reports, same RNG use.
+
+Two properties: the pure one (``choose_shortlist`` against ``KVCostPolicy.choose`` on random
+candidates, big tied runs included) and the pool one (random pools -- replicas and DP ranks,
+loads, cache pressure, prefix homes, exclusions, trust and health states, drains, random index
+contents in both groups and a lower tier, random prompts -- several decisions in a row)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench.decide_bench import pool_from_toml
+from events.schema import BlockStored
+from router.config import PolicyConfig
+from router.core.policy import Candidate, KVCostPolicy, NoCandidates, queued_tokens
+from router.core.shortlist import LoadBook, choose_shortlist
+from router.server.state import PoolState, ShortlistMismatch
+
+KEYS = [(f"r{i:02d}", r) for i in range(40) for r in (0, 1)]
+
+
+def _same(fast, ref) -> None:  # type: ignore[no-untyped-def]
+    assert fast.chosen.key == ref.chosen.key
+    assert fast.tied == ref.tied
+    scores = {s.key: s for s in ref.ranked}
+    for s in fast.ranked:
+        assert scores[s.key] == s
+    # every candidate with a hit is reported (decision reasons read the best hit off ranked)
+    assert max(s.hit_tokens for s in fast.ranked) == max(s.hit_tokens for s in ref.ranked)
+
+
+@st.composite
+def pure_case(draw: st.DrawFn) -> tuple:
+    cfg = PolicyConfig(
+        tie_tokens=draw(st.sampled_from([0.0, 0.5, 100.0])),
+        affinity_weight=draw(st.sampled_from([0.0, 2.0])),
+        pressure_weight=draw(st.sampled_from([0.0, 0.5])),
+    )
+    keys = draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=60, unique=True))
+    loads = st.sampled_from([0, 0, 0, 100, 256, 300])
+    n_explicit = draw(st.integers(0, min(6, len(keys))))
+    explicit = []
+    for key in keys[:n_explicit]:
+        hit = draw(st.sampled_from([0, 0, 16, 512, 992]))
+        trusted = draw(st.booleans())
+        explicit.append(
+            Candidate(
+                key,
+                hit_tokens=hit if trusted else 0,
+                fa_prefix_tokens=hit + draw(st.sampled_from([0, 16])) if trusted else 0,
+                trusted=trusted,
+                in_flight=draw(st.integers(0, 2)),
+                pending_prefill_tokens=draw(loads),
+                recent_new_tokens=draw(st.sampled_from([0.0, 0.0, 50.0])),
+                home_tokens=draw(st.sampled_from([0, 0, 64, 128])),
+            )
+        )
+    book_members = {}
+    for key in keys[n_explicit:]:
+        book_members[key] = Candidate(
+            key,
+            trusted=draw(st.booleans()),
+            in_flight=draw(st.integers(0, 1)),
+            pending_prefill_tokens=draw(loads),
+        )
+    # the book may also hold explicit replicas (then skipped) and excluded ones
+    also = [c.key for c in explicit if draw(st.booleans())]
+    excluded = [k for k in book_members if draw(st.integers(0, 9)) == 0]
+    seed = draw(st.integers(0, 2**16))
+    return cfg, explicit, book_members, also, excluded, seed
+
+
+@settings(max_examples=400, deadline=None)
+@given(pure_case())
+def test_choose_shortlist_equals_the_full_scan(case: tuple) -> None:
+    cfg, explicit, members, also, excluded, seed = case
+    book = LoadBook()
+    for key, c in members.items():
+        book.put(key, queued_tokens(c, cfg))
+    for key in also:
+        book.put(key, 256.0)
+    fast_policy = KVCostPolicy(cfg, random.Random(seed))
+    ref_policy = KVCostPolicy(cfg, random.Random(seed))
+    n = 1024
+    cands = explicit + [c for k, c in members.items() if k not in excluded]
+    try:
+        ref = ref_policy.choose(n, cands)
+    except NoCandidates:
+        with pytest.raises(NoCandidates):
+            choose_shortlist(fast_policy, n, explicit, book, [*excluded, *also])
+        return
+    fast = choose_shortlist(fast_policy, n, explicit, book, [*excluded, *also])
+    assert fast is not None
+    _same(fast, ref)
+    assert fast_policy.rng.getstate() == ref_policy.rng.getstate()
+
+
+def test_a_big_idle_tie_is_decided_without_listing_it() -> None:
+    """256 idle replicas tie: one draw over all of them, the pick located by bisection."""
+    cfg = PolicyConfig()
+    book = LoadBook()
+    keys = [(f"r{i:03d}", 0) for i in range(256)]
+    for key in keys:
+        book.put(key, 0.0)
+    for seed in range(20):
+        fast = choose_shortlist(KVCostPolicy(cfg, random.Random(seed)), 2048, [], book, [])
+        ref = KVCostPolicy(cfg, random.Random(seed)).choose(2048, [Candidate(k) for k in keys])
+        assert fast is not None
+        _same(fast, ref)
+        assert fast.tied == 256 and len(fast.ranked) == 1
+
+
+def test_it_declines_what_it_cannot_decide_exactly() -> None:
+    book = LoadBook()
+    book.put(("a", 0), 0.0)
+    for cfg in (PolicyConfig(temperature=1.0), PolicyConfig(load_band_tokens=64.0)):
+        policy = KVCostPolicy(cfg, random.Random(1))
+        state = policy.rng.getstate()
+        assert choose_shortlist(policy, 100, [], book, []) is None
+        assert policy.rng.getstate() == state  # nothing consumed
+    with pytest.raises(ValueError, match="finite"):
+        book.put(("b", 0), float("nan"))
+
+
+# ------------------------------------------------------------------- pools
+
+
+def _pool(cfg_lines: str, replicas: list[tuple[str, int]], swa: bool) -> PoolState:
+    groups = '{kind = "full_attention", block_size = 16}'
+    if swa:
+        groups += ', {kind = "sliding_window", block_size = 16, sliding_window = 64}'
+    toml = f"""
+[server]
+metrics_scrape_interval_s = 0
+[[pools]]
+model = "m"
+[pools.layout]
+groups = [{groups}]
+[pools.policy]
+{cfg_lines}
+"""
+    for name, ranks in replicas:
+        dp = ", ".join(str(r) for r in range(ranks))
+        toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
+        toml += f"dp_ranks = [{dp}]\n"
+    return pool_from_toml(toml)
+
+
+def _store(pool: PoolState, key: tuple[str, int], tokens: list[int], groups, medium="GPU"):  # type: ignore[no-untyped-def]
+    wire = pool.index.hasher().wire_chain(tokens)
+    pool.index.apply_events(
+        key,
+        [
+            BlockStored(block_hashes=wire[lo:hi], parent_block_hash=wire[lo - 1] if lo else None,
+                        token_ids=tokens[lo * 16 : hi * 16], block_size=16, lora_id=None,
+                        medium=medium, lora_name=None, group_idx=g)
+            for g, lo, hi in groups if hi > lo
+        ],
+    )  # fmt: skip
+
+
+@st.composite
+def pool_case(draw: st.DrawFn) -> dict:
+    n = draw(st.integers(1, 9))
+    reps = [(f"r{i}", draw(st.sampled_from([1, 1, 2]))) for i in range(n)]
+    swa = draw(st.booleans())
+    cfg = "\n".join(
+        [
+            f"seed = {draw(st.integers(0, 1000))}",
+            f"tie_tokens = {draw(st.sampled_from([0.0, 0.5, 200.0]))}",
+            f"pressure_weight = {draw(st.sampled_from([0.0, 0.0, 0.5]))}",
+            f"affinity_weight = {draw(st.sampled_from([0.0, 2.0]))}",
+            f"per_request_tokens = {draw(st.sampled_from([0.0, 256.0]))}",
+            "lower_tier_weights = {CPU = 0.5}",
+        ]
+    )
+    return {"reps": reps, "swa": swa, "cfg": cfg, "seed": draw(st.integers(0, 2**20))}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pool_case())
+def test_pool_shortlist_equals_the_full_scan(case: dict) -> None:
+    pool = _pool(case["cfg"], case["reps"], case["swa"])
+    rng = random.Random(case["seed"])
+    keys = pool.index.replicas()
+    prompts = [
+        [rng.randrange(7, 4000) for _ in range(rng.choice([40, 200, 500]))] for _ in range(4)
+    ]
+    for tokens in prompts:  # random holders, random group coverage, sometimes the CPU tier
+        n_blocks = len(tokens) // 16
+        for key in rng.sample(keys, rng.randint(0, len(keys))):
+            fa = rng.choice([0, 1, n_blocks // 2, n_blocks])
+            groups = [(0, 0, fa)]
+            if case["swa"]:
+                lo = rng.randint(0, n_blocks)
+                groups.append((1, lo, min(n_blocks, lo + rng.randint(0, 6))))
+            _store(pool, key, tokens, groups, rng.choice(["GPU", "GPU", "CPU"]))
+    now = time.monotonic()
+    for key in keys:  # trust
+        roll = rng.random()
+        if roll < 0.1:
+            pool.index.mark_untrusted(key, "test")
+        elif roll < 0.2:
+            pool.index.attached_late(key, "test")
+    for rep in pool.replicas.values():  # health, drain, load, pressure
+        roll = rng.random()
+        if roll < 0.08:
+            rep.drained = True
+        elif roll < 0.14:
+            for _ in range(pool.router.config.health.eject_after_failures):
+                rep.health.failed(now, "test")
+        elif roll < 0.2:
+            rep.health.ejected_until = now - 1  # back-off over: half-open
+            rep.health.trial_in_flight = rng.random() < 0.5
+        elif roll < 0.24:
+            rep.health.probe_up = False
+        rep.touch()
+        for r in rep.ranks:
+            rep.in_flight[r] = rng.choice([0, 0, 1, 3])
+            rep.pending_prefill[r] = rng.choice([0, 0, 0, 100, 512])
+            if rng.random() < 0.3:
+                pool.wrote(rep, r, rng.randint(1, 4000))
+        if rng.random() < 0.3:
+            rep.others_running = {-1: float(rng.choice([0, 2]))}
+            rep.others_waiting = {-1: float(rng.choice([0, 1]))}
+            rep.kv_usage = {-1: rng.choice([0.1, 0.97])}
+        rep.touch()
+    if pool.homes is not None:
+        for tokens in prompts[:2]:
+            pool.homes.record(pool.homes.keys(tokens), rng.choice(keys))
+    policy = pool.policy
+    assert isinstance(policy, KVCostPolicy)
+    took = 0
+    for _ in range(6):
+        p = rng.choice(prompts)
+        kind = rng.random()
+        if kind < 0.3:
+            p = p + [rng.randrange(7, 4000) for _ in range(rng.randint(0, 100))]
+        elif kind < 0.45:
+            p = [rng.randrange(7, 4000) for _ in range(rng.choice([5, 16, 300]))]
+        elif kind < 0.55:
+            p = p[: rng.randint(1, len(p))]
+        exclude = {k for k in keys if rng.random() < 0.15}
+        home_keys = pool.homes.keys(p) if pool.homes is not None else []
+        homed = pool.homes.homed(home_keys) if pool.homes is not None else None
+        before = policy.rng.getstate()
+        try:
+            ref = policy.choose(len(p), pool.candidates(pool.predict(p, {}), exclude, homed, now))
+        except NoCandidates:
+            ref = None
+        after = policy.rng.getstate()
+        policy.rng.setstate(before)
+        if ref is None:
+            try:
+                fast = pool._decide_shortlist(p, {}, exclude, homed, now)
+            except NoCandidates:
+                fast = None
+            assert fast is None
+            continue
+        fast = pool._decide_shortlist(p, {}, exclude, homed, now)
+        if fast is None:
+            policy.rng.setstate(after)
+            continue
+        took += 1
+        decision, pred = fast
+        _same(decision, ref)
+        assert policy.rng.getstate() == after
+        full = {h.replica: h for h in pool.predict(p, {}).replicas}
+        for h in pred.replicas:
+            assert full[h.replica] == h
+        assert decision.chosen.key in {h.replica for h in pred.replicas}
+        # the request goes there: load and homes change, as the proxy changes them
+        key = decision.chosen.key
+        rep = pool.replicas[key[0]]
+        rep.in_flight[key[1]] += 1
+        rep.pending_prefill[key[1]] += len(p) - decision.chosen.hit_tokens
+        rep.touch()
+        pool.wrote(rep, key[1], len(p) - decision.chosen.hit_tokens)
+        if pool.homes is not None:
+            pool.homes.record(home_keys, key)
+    regular = [
+        rep for rep in pool.replicas.values()
+        if not rep.drained and rep.health.state(now) == "healthy"
+    ]  # fmt: skip
+    if regular and pool.cfg.policy.pressure_weight == 0:
+        assert took, "the shortlist declined every decision of a pool it serves"
+
+
+def test_the_suite_catches_a_load_change_that_bypasses_touch() -> None:
+    """tests/conftest.py turns PoolState.check_shortlist on: a change to the load the book
+    was not told about makes the decision differ from the full scan's, and it raises."""
+    assert PoolState.check_shortlist
+    pool = _pool("seed = 1", [("a", 1), ("b", 1)], swa=False)
+    prompt = list(range(100, 400))
+    first = pool.decide(prompt, {})
+    assert len(first.prediction.replicas) == 1  # no holder: only the chosen one reported
+    rep = pool.replicas[first.decision.chosen.key[0]]
+    rep.in_flight[0] = 10  # the proxy would call rep.touch() here
+    other = list(range(500, 800))  # no home yet: the book stands for both replicas
+    with pytest.raises(ShortlistMismatch, match="full scan"):
+        pool.decide(other, {})
+    rep.touch()
+    again = pool.decide(other, {})
+    assert again.decision.chosen.key != first.decision.chosen.key
