@@ -391,6 +391,11 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 )
 
 
+VLLM_DP_RANK_HEADER = "X-data-parallel-rank"
+"""The header vLLM 0.32's OpenAI server reads to serve a request on one DP rank
+(entrypoints/generate/base/serving.py)."""
+
+
 class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One DP rank's event stream, spelled out (instead of a base endpoint plus ranks)."""
 
@@ -410,7 +415,11 @@ class ReplicaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dp_ranks: tuple[int, ...] = (0,)
     streams: tuple[StreamConfig, ...] = ()
     dp_rank_header: str | None = None
-    """Header naming the DP rank the router chose (vLLM: ``X-data-parallel-rank``)."""
+    """Header naming the DP rank the router chose. Unset: vLLM's own ``X-data-parallel-rank``
+    when the URL serves several ranks (its API server then sends the request to that engine
+    core instead of balancing it itself, so the rank predicted is the rank served; spec §6.7),
+    none for one rank. ``""`` with several ranks is refused: vLLM's balancer would pick the
+    rank and no per-rank prediction could hold."""
     bind: bool = False
     """Bind the SUB socket (when vLLM's PUB connects: its endpoint has no ``*``/``::``)."""
     topic: str = ""
@@ -428,6 +437,13 @@ class ReplicaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("give either event_endpoint (+ dp_ranks) or streams, not both")
         if not self.dp_ranks or any(r < 0 for r in self.dp_ranks):
             raise ValueError("dp_ranks must list ranks >= 0")
+        if self.dp_rank_header == "" and len(self.ranks()) > 1:
+            raise ValueError(
+                f"replica {self.name!r} serves DP ranks {self.ranks()} and dp_rank_header is "
+                "empty: without the header vLLM balances the ranks itself and kvrouter cannot "
+                "know which rank's cache a request meets; leave dp_rank_header unset (vLLM's "
+                "X-data-parallel-rank is sent) or list each rank as its own replica"
+            )
         try:
             for ep in (self.event_endpoint, self.replay_endpoint):
                 if ep is not None:
@@ -456,6 +472,13 @@ class ReplicaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def ranks(self) -> list[int]:
         return [s.dp_rank for s in self.streams] if self.streams else list(self.dp_ranks)
+
+    @property
+    def rank_header(self) -> str | None:
+        """The header the proxy names the chosen DP rank with (see ``dp_rank_header``)."""
+        if self.dp_rank_header is not None:
+            return self.dp_rank_header or None
+        return VLLM_DP_RANK_HEADER if len(self.ranks()) > 1 else None
 
 
 class KubernetesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

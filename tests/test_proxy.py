@@ -445,3 +445,42 @@ def test_prediction_mismatch_is_recorded(cluster: Cluster) -> None:
     again = mm[-1]["explained_at_detection"]
     assert again["replica"] == r.headers["x-kvrouter-replica"]
     assert again["spec_group_hits"] == groups
+
+
+def test_a_multi_rank_replica_gets_vllms_rank_header_by_default() -> None:
+    # spec §6.7: without the header vLLM balances its DP ranks itself and the rank the router
+    # predicted for is not the one that serves; vLLM reads X-data-parallel-rank
+    fake = FakeReplica("dp")
+    srv = ServerThread(fake.app).start()
+    one = FakeReplica("single")
+    srv1 = ServerThread(one.app).start()
+    text = (
+        f'[[pools]]\nmodel = "{MODEL}"\n'
+        f'[[pools.replicas]]\nname = "dp"\nurl = "{srv.url}"\ndp_ranks = [0, 1]\n'
+        f'[[pools.replicas]]\nname = "single"\nurl = "{srv1.url}"\n'
+    )
+    router = ServerThread(create_app(parse_config(text))).start()
+    try:
+        seen: dict[str, set[str]] = {"dp": set(), "single": set()}
+        with httpx.Client(base_url=router.url, timeout=10) as http:
+            for i in range(12):
+                r = http.post("/v1/completions", json={"model": MODEL, "prompt": words(i, 40)})
+                assert r.status_code == 200, r.text
+                label = r.headers["x-kvrouter-replica"]
+                name = label.split("/")[0]
+                got = (fake if name == "dp" else one).last_headers.get("x-data-parallel-rank")
+                seen[name].add(f"{label}:{got}")
+        assert {s.split(":")[1] for s in seen["single"]} <= {"None"}  # one rank: no header
+        for s in seen["dp"]:
+            label, got = s.split(":")
+            assert label == f"dp/dp{got}", s  # the rank named is the rank the router chose
+        assert seen["dp"], seen
+    finally:
+        router.stop()
+        srv.stop()
+        srv1.stop()
+        fake.close()
+        one.close()
+    empty = text.replace("dp_ranks = [0, 1]\n", 'dp_ranks = [0, 1]\ndp_rank_header = ""\n')
+    with pytest.raises(ValueError, match="dp_rank_header is empty"):
+        parse_config(empty)

@@ -382,8 +382,8 @@ class Proxy:
     ) -> None:
         rank = key[1]
         headers = list(fwd)
-        if rep.cfg.dp_rank_header:
-            headers.append((rep.cfg.dp_rank_header.encode(), str(rank).encode()))
+        if (rank_header := rep.cfg.rank_header) is not None:
+            headers.append((rank_header.encode(), str(rank).encode()))
         # the events-only prediction, and the admission-time one (events + the requests
         # routed ahead of this one: the speculative overlay, when it could change the hit)
         hit: ReplicaHit | None = None
