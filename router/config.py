@@ -588,6 +588,11 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy: PolicyConfig = PolicyConfig()
     aliases: tuple[str, ...] = ()
     """Other model names routed to this pool (served-model-name aliases)."""
+    lora_adapters: dict[str, str] = {}
+    """LoRA adapters the replicas serve, name -> path exactly as vLLM was given it
+    (``--lora-modules name=path``; the adapter's ``root`` in the replica's ``GET
+    /v1/models``). A request whose ``model`` names one goes to this pool, and vLLM hashes
+    ``("lora", name, path)`` into every block of it (spec §1.3): a wrong path predicts 0."""
     shared_tiers: tuple[SharedTierConfig, ...] = ()
     """Stores the replicas share (``[[pools.shared_tiers]]``), e.g. a Mooncake store."""
 
@@ -602,6 +607,12 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 '[pools.kubernetes] is only read with discovery = "kubernetes" in the same '
                 "pool; add it, or remove the table"
             )
+        for name, path in self.lora_adapters.items():
+            if not name or not path:
+                raise ValueError(
+                    f"lora_adapters: {name!r} = {path!r}: give the adapter's name and its path "
+                    "as vLLM's --lora-modules has them (both non-empty)"
+                )
         names = [r.name for r in self.replicas]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -624,14 +635,17 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("no pools: add at least one [[pools]] with model and replicas")
         seen: set[str] = set()
         for p in self.pools:
-            for name in (p.model, *p.aliases):
+            for name in (p.model, *p.aliases, *p.lora_adapters):
                 if name in seen:
-                    raise ValueError(f"model name {name!r} is served by two pools")
+                    raise ValueError(
+                        f"model name {name!r} is served by two pools (or is both a model and "
+                        "a LoRA adapter)"
+                    )
                 seen.add(name)
 
     def pool_for(self, model: str | None) -> PoolConfig | None:
         for p in self.pools:
-            if model == p.model or model in p.aliases:
+            if model == p.model or model in p.aliases or model in p.lora_adapters:
                 return p
         return self.pools[0] if model is None and len(self.pools) == 1 else None
 

@@ -80,10 +80,13 @@ class SimReplica:
         max_num_seqs: int = 256,
         time_scale: float = 0.01,
         store: SharedStore | None = None,
+        lora_modules: dict[str, str] | None = None,
     ) -> None:
         """``max_num_seqs`` and ``time_scale`` are the engine's (a small batch and real-time
         steps make requests queue, as on a loaded replica); ``store`` a store shared with
-        other replicas (gpu_emitter.shared_store)."""
+        other replicas (gpu_emitter.shared_store); ``lora_modules`` the LoRA adapters it
+        serves (name -> path, as vLLM's --lora-modules)."""
+        self.lora_modules = dict(lora_modules or {})
         self.name = name
         self.max_num_seqs = max_num_seqs
         self.time_scale = time_scale
@@ -97,7 +100,9 @@ class SimReplica:
         self.publishing = True
         # /kv_event_sources as ``kvrouter replica`` reports it
         sources = [event_source(self.publisher, LOOPBACK, LOOPBACK)]
-        self.info = ReplicaInfo(MODEL, max_model_len, event_sources=sources)
+        self.info = ReplicaInfo(
+            MODEL, max_model_len, event_sources=sources, lora_modules=self.lora_modules
+        )
         self.http: ServerThread | None = None
         self.port = 0
         self.received: Counter[str] = Counter()
@@ -183,7 +188,12 @@ class SimReplica:
         self.publishing = True
         # a new process: a new start time (process_start_time_seconds), the router's epoch
         sources = [event_source(self.publisher, LOOPBACK, LOOPBACK)]
-        self.info = ReplicaInfo(MODEL, self.info.max_model_len, event_sources=sources)
+        self.info = ReplicaInfo(
+            MODEL,
+            self.info.max_model_len,
+            event_sources=sources,
+            lora_modules=self.lora_modules,
+        )
         self.start_http()
 
     def close(self) -> None:

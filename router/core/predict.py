@@ -15,7 +15,7 @@ then only probes the few sliding-window / Mamba blocks it needs, from a shared m
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from events.hashing import BlockHasher, LazyChain, RequestKeys
@@ -500,9 +500,12 @@ class Predictor:
         return self._slots.get(bit)
 
 
-def body_request_keys(body: dict) -> tuple[RequestKeys | None, bool]:
-    """An OpenAI request body's extra hash keys (spec §1.4: the cache salt) and whether vLLM
-    skips reading the prefix cache for it (§4.1).
+def body_request_keys(
+    body: dict, lora: Mapping[str, str] | None = None
+) -> tuple[RequestKeys | None, bool]:
+    """An OpenAI request body's extra hash keys (spec §1.3: the LoRA adapter its ``model``
+    names, from ``lora`` (name -> path); the cache salt) and whether vLLM skips reading the
+    prefix cache for it (§4.1).
 
     vLLM 0.32's OpenAI server skips reading exactly when the request's effective
     ``prompt_logprobs`` is set (``SamplingParams.skip_reading_prefix_cache`` defaults to
@@ -512,7 +515,13 @@ def body_request_keys(body: dict) -> tuple[RequestKeys | None, bool]:
     of its OpenAI requests and changes nothing there, so it is ignored here too.
     tests/test_request_flags_vs_vllm.py checks this against vLLM's own request classes."""
     salt = body.get("cache_salt")
-    keys = RequestKeys(cache_salt=salt) if isinstance(salt, str) and salt else None
+    salt = salt if isinstance(salt, str) and salt else None
+    model = body.get("model")
+    path = lora.get(model) if lora and isinstance(model, str) else None
+    if path is not None:
+        keys: RequestKeys | None = RequestKeys(lora_name=model, lora_path=path, cache_salt=salt)
+    else:
+        keys = RequestKeys(cache_salt=salt) if salt is not None else None
     skip = body.get("prompt_logprobs") is not None
     if not skip and body.get("echo"):
         skip = "messages" in body or body.get("logprobs") is not None

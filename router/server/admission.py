@@ -75,7 +75,7 @@ def check_endpoints(rcfg: ReplicaConfig, server: ServerConfig) -> None:
 async def check_models(rcfg: ReplicaConfig, pool: PoolConfig, server: ServerConfig) -> None:
     """Raise :class:`ApiError` (409) unless the replica's ``/v1/models`` lists every name of
     ``pool``."""
-    names = [pool.model, *pool.aliases]
+    names = [pool.model, *pool.aliases, *pool.lora_adapters]
     url = rcfg.url.rstrip("/") + "/v1/models"
     skip = 'or add it with "verify_model": false if it is not up yet'
     try:
@@ -85,7 +85,9 @@ async def check_models(rcfg: ReplicaConfig, pool: PoolConfig, server: ServerConf
             r = await client.get(url)
         if r.status_code != 200:
             raise ValueError(f"HTTP {r.status_code}")
-        served = [m.get("id") for m in r.json()["data"] if isinstance(m, dict)]
+        cards = [m for m in r.json()["data"] if isinstance(m, dict)]
+        served = [m.get("id") for m in cards]
+        roots = {m.get("id"): m.get("root") for m in cards}
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         raise ApiError(
             409,
@@ -100,5 +102,15 @@ async def check_models(rcfg: ReplicaConfig, pool: PoolConfig, server: ServerConf
             f"replica {rcfg.name!r} at {rcfg.url} serves {served}, not {missing} (pool "
             f"{pool.model!r}): clients would get its 404. Add it to the pool of its model, "
             f"{skip}",
+            "replica.url",
+        )
+    # vLLM lists an adapter with its path as root, and hashes that path into every block
+    wrong = {n: roots[n] for n, p in pool.lora_adapters.items() if roots.get(n) not in (None, p)}
+    if wrong:
+        raise ApiError(
+            409,
+            f"replica {rcfg.name!r} serves LoRA adapters from other paths than the pool's "
+            f"lora_adapters ({wrong}): vLLM hashes the path, so no hit could be predicted. "
+            f"Give the pool the replicas' paths, {skip}",
             "replica.url",
         )

@@ -463,7 +463,7 @@ class PoolState:
         keys were new."""
         if self.index.trust(key) != "partial" or self.index.tiers_in_use() not in ([], ["GPU"]):
             return 0
-        keys, _ = body_request_keys(body)
+        keys, _ = body_request_keys(body, self.cfg.lora_adapters)
         return self.index.infer(key, self.predictor.keys_behind(token_ids, keys, cached_tokens))
 
     def stream_stats(self) -> dict[str, StreamStats]:
@@ -546,7 +546,7 @@ class PoolState:
             self._refresh_book(now)
         if not len(self._book):  # nothing surely routable: the full scan (and its panic)
             return None
-        keys, skip = body_request_keys(body)
+        keys, skip = body_request_keys(body, self.cfg.lora_adapters)
         short = self.predictor.shortlist(token_ids, keys, skip_reading=skip)
         if short is None:
             return None
@@ -664,7 +664,7 @@ class PoolState:
         replicas: list[ReplicaKey] | None = None,
     ) -> Prediction:
         """The events-only prediction for every replica (or ``replicas``)."""
-        keys, skip = body_request_keys(body)
+        keys, skip = body_request_keys(body, self.cfg.lora_adapters)
         return self.predictor.predict(
             token_ids,
             keys,
@@ -695,7 +695,7 @@ class PoolState:
             else:
                 pred = self.predict(token_ids, body, explain)
                 if overlay is not None:
-                    keys, skip = body_request_keys(body)
+                    keys, skip = body_request_keys(body, self.cfg.lora_adapters)
                     try:
                         spec = overlay.predict(
                             token_ids,
@@ -845,7 +845,7 @@ class RouterState:
         for pcfg in self.config.pools:
             pool = PoolState(pcfg, self)
             self.pools[pcfg.model] = pool
-            for name in (pcfg.model, *pcfg.aliases):
+            for name in (pcfg.model, *pcfg.aliases, *pcfg.lora_adapters):
                 self.models[name] = pool
             psnap = saved.get(pcfg.model)
             by_key = {(r.name, r.dp_rank): r for r in psnap.replicas} if psnap else {}
