@@ -65,7 +65,9 @@ def test_nbytes_within_ten_percent_of_tracemalloc(replicas: int) -> None:
         tracemalloc.stop()
     assert abs(full_estimate / full - 1) < 0.10, (replicas, full_estimate, full)
     assert abs(index.nbytes() / after - 1) < 0.10, (replicas, index.nbytes(), after)
-    assert index.nbytes() < full_estimate
+    # the dict path frees each removed key's int object; a KeyTable holds keys inline and
+    # keeps its allocation until its load falls under 1/4
+    assert index.nbytes() < full_estimate or (index.compact and index.nbytes() == full_estimate)
 
 
 def test_mask_bytes_follows_cpython_int_sizes() -> None:

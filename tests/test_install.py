@@ -144,6 +144,12 @@ def test_wheel_carries_the_compiled_chain_when_a_compiler_is_there(envs: Envs) -
     out = envs.run(envs.router, ["python", "-I", "-c", code])
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("events._chain ("), out.stdout
+    # the index's compact tables (router.core._keytable, docs/index-memory.md) likewise
+    assert [n for n in names if n.startswith("router/core/_keytable") and n.endswith(".so")]
+    code = "from router.core.index import native_index; print(native_index())"
+    out = envs.run(envs.router, ["python", "-I", "-c", code])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "router.core._keytable", out.stdout
 
 
 def test_installed_router_env_loads_layouts_from_itself_without_torch(envs: Envs) -> None:

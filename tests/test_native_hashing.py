@@ -407,8 +407,9 @@ def test_pure_fallback_when_extension_missing_or_off(prelude: str, env: dict[str
 @pytest.mark.parametrize("cc", ["false", "/nonexistent/cc"], ids=["compile-fails", "no-compiler"])
 def test_build_without_compiler_installs_pure(tmp_path: Path, cc: str) -> None:
     """setup.py's extension is optional: a failed compile is a warning, not a failed build."""
-    for name in ("setup.py", "pyproject.toml", "README.md", "events/_chain.c"):
-        (tmp_path / name).parent.mkdir(exist_ok=True)
+    sources = ("events/_chain.c", "router/core/_keytable.c")
+    for name in ("setup.py", "pyproject.toml", "README.md", *sources):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     out = subprocess.run(
         [sys.executable, "setup.py", "build_ext", "--inplace"],
@@ -420,4 +421,5 @@ def test_build_without_compiler_installs_pure(tmp_path: Path, cc: str) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert 'building extension "events._chain" failed' in out.stdout + out.stderr
+    assert 'building extension "router.core._keytable" failed' in out.stdout + out.stderr
     assert not list(tmp_path.rglob("*.so"))

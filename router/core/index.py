@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -69,7 +70,9 @@ from router.core.shared_tier import SharedTier
 from router.core.snapshot import ReplicaSnapshot
 
 __all__ = [
+    "NATIVE_INDEX_ENV",
     "TIERS",
+    "HashTable",
     "IndexLimits",
     "KVIndex",
     "LayoutConflict",
@@ -112,6 +115,57 @@ def _mask_bytes(m: int) -> int:
     if m < _SMALL_INT:
         return 0
     return _INT_BASE + _DIGIT_BYTES * (-(-m.bit_length() // _DIGIT_BITS))
+
+
+#: Set to "0" to keep the index's tables in dicts even where router.core._keytable is built.
+NATIVE_INDEX_ENV = "KVROUTER_NATIVE_INDEX"
+
+
+def _load_keytable() -> type | None:
+    """``router.core._keytable.KeyTable`` when it was built and is not switched off; else None.
+
+    The extension is optional at build time (setup.py): without a C compiler the index keeps
+    its tables in dicts, which hold the same keys and answer the same (tests/test_keytable.py).
+    """
+    if os.environ.get(NATIVE_INDEX_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from router.core._keytable import KeyTable  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return KeyTable
+
+
+_KeyTable = _load_keytable()
+
+
+def native_index() -> str | None:
+    """The compact table in use for new indexes (``"router.core._keytable"``), or None when
+    they keep dicts (not built, or ``KVROUTER_NATIVE_INDEX=0``)."""
+    return None if _KeyTable is None else "router.core._keytable"
+
+
+class HashTable(Protocol):
+    """What the index and its readers use of one (tier, group) table: a dict, or a
+    ``router.core._keytable.KeyTable`` (uint64 keys inline, docs/index-memory.md)."""
+
+    def get(self, key: object, default: int = 0, /) -> int: ...
+    def __setitem__(self, key: object, value: int, /) -> None: ...
+    def __delitem__(self, key: object, /) -> None: ...
+    def __contains__(self, key: object, /) -> bool: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[object]: ...
+    def items(self) -> Iterable[tuple[object, int]]: ...
+    def values(self) -> Iterable[int]: ...
+
+
+def _pop_some(table: HashTable, n: int) -> list[tuple[object, int]]:
+    """Remove ``n`` keys of ``table`` for a reclaim and return them with their masks: a
+    dict's oldest-inserted (dicts keep insertion order), a KeyTable's next in its clock sweep
+    over hash order (it then shrinks to fit, so the bytes freed show in the account)."""
+    if type(table) is dict:
+        return [(h, table.pop(h)) for h in list(itertools.islice(table, n))]
+    return table.pop_some(n)  # type: ignore[attr-defined]
 
 
 _UNSET_MEDIUM = object()
@@ -290,17 +344,19 @@ class _Replica:
 class _Tier:
     """Tables of one storage tier: per group, hash -> replica bitmask, plus extra copies."""
 
-    __slots__ = ("dicts", "extra", "tables")
+    __slots__ = ("dicts", "extra", "new_table", "tables")
 
-    def __init__(self, dicts: list[dict]) -> None:
-        self.tables: list[dict[object, int]] = []
+    def __init__(self, dicts: list, new_table: Callable[[], HashTable]) -> None:
+        self.tables: list[HashTable] = []
         self.extra: list[dict[tuple[int, object], int]] = []
         self.dicts = dicts
-        """Every table of the index, shared by its tiers, so KVIndex.nbytes sums them fast."""
+        """Every table of the index, shared by its tiers, so KVIndex.nbytes sums them fast:
+        each group's table at an even position, its extra copies right after it."""
+        self.new_table = new_table
 
-    def group(self, g: int) -> tuple[dict[object, int], dict[tuple[int, object], int]]:
+    def group(self, g: int) -> tuple[HashTable, dict[tuple[int, object], int]]:
         while len(self.tables) <= g:
-            self.tables.append({})
+            self.tables.append(self.new_table())
             self.extra.append({})
             self.dicts += (self.tables[-1], self.extra[-1])
         return self.tables[g], self.extra[g]
@@ -374,8 +430,27 @@ class KVIndex:
         verify_hashes: bool = True,
         pool: str = "default",
         hash_memo_entries: int = DEFAULT_MEMO_ENTRIES,
+        compact: bool | None = None,
     ) -> None:
         self.pool = pool
+        if compact is None:
+            compact = _KeyTable is not None and layout.hash.int_block_hashes
+        elif compact and _KeyTable is None:
+            raise ValueError(
+                "compact tables need router.core._keytable: build it (pip install -e . with a "
+                f"C compiler) and leave {NATIVE_INDEX_ENV} unset, or pass compact=False"
+            )
+        self.compact = compact
+        """Whether new (tier, group) tables are KeyTables (uint64 keys inline) rather than
+        dicts: when the extension is there and the pool's wire hashes are ints."""
+        self.demoted = 0
+        """KeyTables turned into dicts because a replica stored a key they cannot hold (not
+        an int in [0, 2**64): bytes hashes from a replica whose settings differ, or junk)."""
+        if compact:
+            seed = int.from_bytes(os.urandom(8), "little")
+            self._new_table: Callable[[], HashTable] = lambda: _KeyTable(seed)  # type: ignore[misc]
+        else:
+            self._new_table = dict
         self.declared = layout
         self.limits = limits or IndexLimits()
         self.conformance = conformance
@@ -385,7 +460,7 @@ class KVIndex:
         self._hasher: BlockHasher | None = None
         self._hasher_for: tuple | None = None
         self._dicts: list[dict] = []
-        self._tiers = {t: _Tier(self._dicts) for t in TIERS}
+        self._tiers = {t: _Tier(self._dicts, self._new_table) for t in TIERS}
         self._tier_of: dict[object, str] = {None: "GPU", **{t: t for t in TIERS}}
         self._shared: dict[str, SharedTier] = {}
         """Tiers one store shared by the whole pool holds (router.core.shared_tier): their
@@ -505,14 +580,14 @@ class KVIndex:
                 log.warning("snapshot layout of pool %r not usable: %s", self.pool, exc)
         for tier_name, groups in snap.tiers.items():
             if tier_name not in self._tiers:
-                self._tiers[tier_name] = _Tier(self._dicts)
+                self._tiers[tier_name] = _Tier(self._dicts, self._new_table)
             tier = self._tiers[tier_name]
             for g, keys in enumerate(groups):
                 if not keys or g >= self.limits.max_groups:
                     continue
-                table, extra = tier.group(g)
+                extra = tier.group(g)[1]
                 for h, copies in keys:
-                    if not self._hold(rep, table, h):
+                    if not self._hold(rep, tier, g, h):
                         continue
                     if copies > 1:
                         extra[(rep.slot, h)] = copies
@@ -810,7 +885,12 @@ class KVIndex:
                             self.extra_entries += 1
                             rep.extra += 1
                         elif not m:
-                            table[h] = bit
+                            try:
+                                table[h] = bit
+                            except (TypeError, OverflowError):  # not a KeyTable's key
+                                table = self._demote(table)
+                                rm_medium = _UNSET_MEDIUM  # that table may be cached there
+                                table[h] = bit
                             entries += 1
                             held += 1
                         else:
@@ -996,7 +1076,7 @@ class KVIndex:
                     pending.discard((g, h))
                     continue
                 if any(table.get(c, 0) & bit for c in children.get((g, h), ())):
-                    self._hold(rep, table, h)
+                    self._hold(rep, table_of, g, h)
                     rep.counters["closure_kept"] += 1
                     pending.discard((g, h))
                     changed = True
@@ -1024,7 +1104,7 @@ class KVIndex:
                     f"medium {medium!r}: over {self.limits.max_extra_tiers} extra tiers",
                 )
                 return None
-            self._tiers[name] = _Tier(self._dicts)
+            self._tiers[name] = _Tier(self._dicts, self._new_table)
             rep.tiers_made += 1
         if len(self._tier_of) < 256:  # spellings are memoized, but never without bound
             self._tier_of[medium] = name
@@ -1181,15 +1261,20 @@ class KVIndex:
     def _trust_again(rep: _Replica) -> None:
         rep.trusted, rep.untrusted_reason, rep.down = True, None, False
 
-    def _hold(self, rep: _Replica, table: dict, h: object) -> bool:
-        """Set ``rep``'s bit on key ``h`` (one copy); False if it held the key already. The
-        event ingest inlines the same steps on its hot path."""
+    def _hold(self, rep: _Replica, tier: _Tier, g: int, h: object) -> bool:
+        """Set ``rep``'s bit on key ``h`` in group ``g`` (allocated) of ``tier`` (one copy);
+        False if it held the key already. The event ingest inlines the same steps on its hot
+        path. The table is looked up here, not passed: storing may turn it into a dict."""
+        table = tier.tables[g]
         m = table.get(h, 0)
         if m & rep.bit:
             return False
         if not m:
+            try:
+                table[h] = rep.bit
+            except (TypeError, OverflowError):  # not a KeyTable's key
+                self._demote(table)[h] = rep.bit
             self.entries += 1
-            table[h] = rep.bit
         else:
             self.mask_bytes += _mask_bytes(m | rep.bit) - _held_bytes(m)
             table[h] = m | rep.bit
@@ -1234,7 +1319,8 @@ class KVIndex:
                     prev[g] = h
         for g, h in keys:
             if 0 <= g < self.limits.max_groups:
-                added += self._hold(rep, tier.group(g)[0], h)
+                tier.group(g)
+                added += self._hold(rep, tier, g, h)
         rep.counters["inferred_blocks"] += added
         if added:
             self.generation += 1
@@ -1377,8 +1463,30 @@ class KVIndex:
         self.mask_bytes += masks
         self.generation += 1
 
+    def _demote(self, table: HashTable) -> dict:
+        """Replace the KeyTable ``table`` by a dict holding the same keys, for a key it cannot
+        hold (not an int in [0, 2**64)): the replica's key is then stored as the dict path
+        stores it. Only that table changes; counted in ``demoted`` and logged."""
+        fresh: dict = dict(table.items())
+        for name, tier in self._tiers.items():
+            for g, t in enumerate(tier.tables):
+                if t is table:
+                    tier.tables[g] = fresh
+                    i = next(i for i, d in enumerate(self._dicts) if d is table)
+                    self._dicts[i] = fresh
+                    self.demoted += 1
+                    log.warning(
+                        "pool %r: a replica stored a hash that is not a 64-bit int (in tier "
+                        "%s group %d) although the pool's int_block_hashes is true; that table "
+                        "is kept in a dict from now on: check the replicas' "
+                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", self.pool, name, g,
+                    )  # fmt: skip
+                    return fresh
+        raise LookupError("KVIndex._demote: the table is not one of the index's")
+
     def _reclaim(self) -> None:
-        """Drop the oldest-inserted 10 % of the largest table (module docstring)."""
+        """Drop 10 % of the largest table (module docstring): a dict's oldest-inserted keys,
+        a KeyTable's next keys in its sweep over hash order."""
         table, extra = max(
             (
                 (t, e)
@@ -1387,10 +1495,9 @@ class KVIndex:
             ),
             key=lambda te: len(te[0]),
         )
-        victims = list(itertools.islice(table, max(1, len(table) // 10)))
+        victims = _pop_some(table, max(1, len(table) // 10))
         by_slot = {rep.slot: rep for rep in self._replicas.values()}
-        for h in victims:
-            m = table.pop(h)
+        for h, m in victims:
             self.mask_bytes -= _held_bytes(m)
             while m:
                 low = m & -m
@@ -1409,8 +1516,9 @@ class KVIndex:
 
     # ------------------------------------------------------------------ lookup
 
-    def table(self, tier: str, group: int) -> dict[object, int]:
-        """The hash -> replica-bitmask table of one tier and group (empty if none yet)."""
+    def table(self, tier: str, group: int) -> HashTable:
+        """The hash -> replica-bitmask table of one tier and group (empty if none yet): a
+        dict or a KeyTable (:class:`HashTable` is what both offer)."""
         t = self._tiers.get(tier)
         return t.tables[group] if t is not None and group < len(t.tables) else {}
 
@@ -1424,7 +1532,7 @@ class KVIndex:
         :meth:`shared_tiers` gives to the predictor."""
         name = tier.name.upper()
         self._shared[name] = tier
-        self._tiers.setdefault(name, _Tier(self._dicts))
+        self._tiers.setdefault(name, _Tier(self._dicts, self._new_table))
         self._tier_of[name] = name
 
     def shared_tiers(self) -> dict[str, SharedTier]:
@@ -1452,10 +1560,15 @@ class KVIndex:
             key = self._key_size = self._sample_key_size()
             if key is None:
                 key = 0
+        dicts = self._dicts
+        # a KeyTable holds its keys inline: only keys of dict tables are int objects
+        objects = (
+            sum(len(t) for t in dicts[::2] if type(t) is dict) if self.compact else self.entries
+        )
         return (
-            sum(map(sys.getsizeof, self._dicts))
-            + self.entries * key
-            + sum(map(len, self._dicts[1::2])) * (_EXTRA_BYTES + key)
+            sum(map(sys.getsizeof, dicts))
+            + objects * key
+            + sum(map(len, dicts[1::2])) * (_EXTRA_BYTES + key)
             + self.mask_bytes
             + len(self._replicas) * _REPLICA_BYTES
         )
@@ -1463,7 +1576,9 @@ class KVIndex:
     def _sample_key_size(self) -> int | None:
         """The size of one held hash object, or None (nothing held yet: the account is then
         the tables' own size). Read once: a table's first key is found in O(1) only until
-        keys from its start are removed, so it is not looked at again."""
+        keys from its start are removed, so it is not looked at again. A KeyTable yields a new
+        int for its key, of the size the wire's int object has (side-table entries hold
+        those)."""
         for table in self._dicts[::2]:
             for h in table:
                 return sys.getsizeof(h)

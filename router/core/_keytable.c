@@ -1,0 +1,635 @@
+/*
+ * router.core._keytable: a compact hash table from unsigned 64-bit int keys to Python objects,
+ * the per-(tier, group) tables of router/core/index.py (docs/index-memory.md).
+ *
+ * Optional at build time (setup.py builds it with optional=True); router/core/index.py uses a
+ * plain dict when this module is missing or switched off (KVROUTER_NATIVE_INDEX=0), and that
+ * dict is the reference tests/test_keytable.py compares this type against.
+ *
+ * Why: a dict of wire hash -> replica bitmask costs ~44 bytes per key for its slot and 36 for
+ * the int object of the key. Here a key is stored inline as a uint64 next to its value
+ * pointer: 16 bytes per slot, at a load of 1/2 to 3/4, so 21-32 bytes per key.
+ *
+ * Layout: open addressing, linear probing. A key's home slot is the high word of
+ * mix(key ^ seed) * capacity (Lemire's reduction), so any capacity works (the table grows by
+ * 1.5x and shrinks to fit, not by powers of two) and slot order follows hash order. An empty
+ * slot has value == NULL. Deletion shifts the following run back (no tombstones), so churn
+ * never lengthens probes. Values are strong references. Keys are ints in [0, 2**64): storing
+ * anything else raises TypeError/OverflowError; looking one up finds nothing (no such key can
+ * be in the table), as a dict would answer for a key it does not hold.
+ *
+ * Nothing here calls Python code while the slots are in an inconsistent state: key
+ * conversion happens first, and an old value is released only after its slot is rewritten
+ * (a value's finalizer may then use the table again).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <limits.h>
+#include <string.h>
+
+typedef struct {
+    uint64_t key;
+    PyObject *value; /* NULL: an empty slot */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;       /* NULL while cap == 0 */
+    Py_ssize_t cap;
+    Py_ssize_t used;
+    uint64_t seed;
+    uint64_t cursor;   /* where pop_some goes on, in hash space */
+    uint64_t version;  /* bumped on every insert, delete and resize: iterators check it */
+} KeyTable;
+
+typedef struct {
+    PyObject_HEAD
+    KeyTable *table;   /* NULL once exhausted */
+    Py_ssize_t pos;
+    uint64_t version;
+    int kind;          /* 0 keys, 1 values, 2 items */
+} KeyTableIter;
+
+static PyTypeObject KeyTableType;
+static PyTypeObject KeyTableIterType;
+
+#define MIN_CAP 8
+/* grow past a load of 3/4, shrink below 1/4; both resize to a load of 1/2 */
+#define OVER_FULL(used, cap) ((uint64_t)(used) * 4 > (uint64_t)(cap) * 3)
+#define UNDER_FULL(used, cap) ((uint64_t)(used) * 4 < (uint64_t)(cap))
+
+static inline uint64_t mix(uint64_t k, uint64_t seed) {
+    /* murmur3's fmix64: a bijection, so distinct keys never share a hash */
+    k ^= seed;
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ULL;
+    k ^= k >> 33;
+    return k;
+}
+
+static inline uint64_t mulhi(uint64_t a, uint64_t b) {
+#if defined(__SIZEOF_INT128__)
+    return (uint64_t)(((unsigned __int128)a * b) >> 64);
+#else
+    uint64_t a_lo = (uint32_t)a, a_hi = a >> 32, b_lo = (uint32_t)b, b_hi = b >> 32;
+    uint64_t lo_lo = a_lo * b_lo, hi_lo = a_hi * b_lo, lo_hi = a_lo * b_hi, hi_hi = a_hi * b_hi;
+    uint64_t cross = (lo_lo >> 32) + (uint32_t)hi_lo + lo_hi;
+    return hi_hi + (hi_lo >> 32) + (cross >> 32);
+#endif
+}
+
+static inline Py_ssize_t home_of(const KeyTable *t, uint64_t key) {
+    return (Py_ssize_t)mulhi(mix(key, t->seed), (uint64_t)t->cap);
+}
+
+/* An int's value as uint64, with OverflowError out of [0, 2**64). PyLong_AsUnsignedLong walks
+ * the digits; PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray on 3.11 (30 ns more
+ * per lookup), so the former is used where a long has 64 bits. */
+static inline unsigned long long int_value(PyObject *o) {
+#if ULONG_MAX == 0xffffffffffffffffULL
+    return (unsigned long long)PyLong_AsUnsignedLong(o);
+#else
+    return PyLong_AsUnsignedLongLong(o);
+#endif
+}
+
+/* 1: *out is the key; 0: not a key this table can hold (not an int, negative, >= 2**64);
+ * -1: another error (set). No Python code runs: int subclasses are read as ints. */
+static int as_key(PyObject *o, uint64_t *out) {
+    if (!PyLong_Check(o)) {
+        return 0;
+    }
+    unsigned long long v = int_value(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 1;
+}
+
+/* as_key for a store: a key out of the domain is an error naming the fix. */
+static int as_key_strict(PyObject *o, uint64_t *out) {
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError,
+                     "KeyTable keys are ints in [0, 2**64), not %.100s: use a dict for other "
+                     "keys",
+                     Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    unsigned long long v = int_value(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_OverflowError,
+                            "KeyTable keys are ints in [0, 2**64): use a dict for other keys");
+        }
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 1;
+}
+
+/* The slot holding key, or -1. */
+static inline Py_ssize_t find(const KeyTable *t, uint64_t key) {
+    if (t->used == 0) {
+        return -1;
+    }
+    Slot *s = t->slots;
+    Py_ssize_t i = home_of(t, key), cap = t->cap;
+    while (s[i].value != NULL) {
+        if (s[i].key == key) {
+            return i;
+        }
+        if (++i == cap) {
+            i = 0;
+        }
+    }
+    return -1;
+}
+
+/* Move every entry into a fresh array of new_cap slots (0: free it). No refcount changes.
+ * Returns -1 with MemoryError set, the table untouched. */
+static int resize(KeyTable *t, Py_ssize_t new_cap) {
+    Slot *fresh = NULL;
+    if (new_cap > 0) {
+        if (new_cap < MIN_CAP) {
+            new_cap = MIN_CAP;
+        }
+        if ((size_t)new_cap > PY_SSIZE_T_MAX / sizeof(Slot)) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        fresh = PyMem_Calloc((size_t)new_cap, sizeof(Slot));
+        if (fresh == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    Slot *old = t->slots;
+    Py_ssize_t old_cap = t->cap;
+    t->slots = fresh;
+    t->cap = new_cap;
+    for (Py_ssize_t j = 0; j < old_cap; j++) {
+        if (old[j].value != NULL) {
+            Py_ssize_t i = home_of(t, old[j].key);
+            while (fresh[i].value != NULL) {
+                if (++i == new_cap) {
+                    i = 0;
+                }
+            }
+            fresh[i] = old[j];
+        }
+    }
+    PyMem_Free(old);
+    t->version++;
+    return 0;
+}
+
+/* Empty slot i and shift the run after it back; returns the value it held (a reference the
+ * caller now owns). */
+static PyObject *take_slot(KeyTable *t, Py_ssize_t i) {
+    Slot *s = t->slots;
+    Py_ssize_t cap = t->cap, j = i;
+    PyObject *v = s[i].value;
+    for (;;) {
+        if (++j == cap) {
+            j = 0;
+        }
+        if (s[j].value == NULL) {
+            break;
+        }
+        /* j may move back to i if i lies on its probe path: home(j) .. j covers i */
+        Py_ssize_t h = home_of(t, s[j].key);
+        Py_ssize_t from_home = j >= h ? j - h : j + cap - h;
+        Py_ssize_t from_i = j >= i ? j - i : j + cap - i;
+        if (from_home >= from_i) {
+            s[i] = s[j];
+            i = j;
+        }
+    }
+    s[i].value = NULL;
+    s[i].key = 0;
+    t->used--;
+    t->version++;
+    return v;
+}
+
+/* After a delete: give memory back once the load falls under 1/4 (a failed shrink is not an
+ * error: the table stays as it is). */
+static void maybe_shrink(KeyTable *t) {
+    if (t->used == 0) {
+        (void)resize(t, 0);
+    }
+    else if (t->cap > MIN_CAP && UNDER_FULL(t->used, t->cap)) {
+        if (resize(t, t->used * 2) < 0) {
+            PyErr_Clear();
+        }
+    }
+}
+
+/* Store value under key (a new reference is taken); -1 on MemoryError. */
+static int store(KeyTable *t, uint64_t key, PyObject *value) {
+    /* like a dict of ints, a table of ints stays out of the cyclic GC: it is tracked from the
+     * first value that could take part in a cycle */
+    if (!PyObject_GC_IsTracked((PyObject *)t) && PyObject_IS_GC(value)) {
+        PyObject_GC_Track((PyObject *)t);
+    }
+    Py_ssize_t i = find(t, key);
+    if (i >= 0) {
+        PyObject *old = t->slots[i].value;
+        Py_INCREF(value);
+        t->slots[i].value = value;
+        Py_DECREF(old); /* last: its finalizer may use the table */
+        return 0;
+    }
+    if (t->cap == 0 || OVER_FULL(t->used + 1, t->cap)) {
+        if (resize(t, (t->used + 1) * 2) < 0) {
+            return -1;
+        }
+    }
+    i = home_of(t, key);
+    while (t->slots[i].value != NULL) {
+        if (++i == t->cap) {
+            i = 0;
+        }
+    }
+    Py_INCREF(value);
+    t->slots[i].key = key;
+    t->slots[i].value = value;
+    t->used++;
+    t->version++;
+    return 0;
+}
+
+/* ------------------------------------------------------------------- the type */
+
+static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"seed", NULL};
+    PyObject *seed_obj = NULL;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O!:KeyTable", kwlist, &PyLong_Type,
+                                     &seed_obj)) {
+        return NULL;
+    }
+    if (seed_obj != NULL) {
+        seed = PyLong_AsUnsignedLongLong(seed_obj); /* checked: "K" would wrap */
+        if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    KeyTable *t = (KeyTable *)type->tp_alloc(type, 0);
+    if (t == NULL) {
+        return NULL;
+    }
+    /* tp_alloc tracks GC objects; an empty table or one of ints needs no traversal */
+    PyObject_GC_UnTrack(t);
+    t->slots = NULL;
+    t->cap = t->used = 0;
+    t->seed = (uint64_t)seed;
+    t->cursor = 0;
+    t->version = 0;
+    return (PyObject *)t;
+}
+
+static int KeyTable_traverse(KeyTable *t, visitproc visit, void *arg) {
+    for (Py_ssize_t i = 0; i < t->cap; i++) {
+        Py_VISIT(t->slots[i].value);
+    }
+    return 0;
+}
+
+static int KeyTable_clear(KeyTable *t) {
+    Slot *old = t->slots;
+    Py_ssize_t cap = t->cap;
+    t->slots = NULL;
+    t->cap = t->used = 0;
+    t->version++;
+    for (Py_ssize_t i = 0; i < cap; i++) {
+        Py_XDECREF(old[i].value);
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+static void KeyTable_dealloc(KeyTable *t) {
+    PyObject_GC_UnTrack(t);
+    Py_TRASHCAN_BEGIN(t, KeyTable_dealloc)
+    (void)KeyTable_clear(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+    Py_TRASHCAN_END
+}
+
+static Py_ssize_t KeyTable_len(KeyTable *t) { return t->used; }
+
+static PyObject *KeyTable_subscript(KeyTable *t, PyObject *k) {
+    uint64_t key;
+    int ok = as_key(k, &key);
+    if (ok < 0) {
+        return NULL;
+    }
+    Py_ssize_t i = ok ? find(t, key) : -1;
+    if (i < 0) {
+        PyErr_SetObject(PyExc_KeyError, k);
+        return NULL;
+    }
+    PyObject *v = t->slots[i].value;
+    Py_INCREF(v);
+    return v;
+}
+
+static int KeyTable_ass_subscript(KeyTable *t, PyObject *k, PyObject *v) {
+    uint64_t key;
+    if (v != NULL) {
+        if (as_key_strict(k, &key) < 0) {
+            return -1;
+        }
+        return store(t, key, v);
+    }
+    int ok = as_key(k, &key);
+    if (ok < 0) {
+        return -1;
+    }
+    Py_ssize_t i = ok ? find(t, key) : -1;
+    if (i < 0) {
+        PyErr_SetObject(PyExc_KeyError, k);
+        return -1;
+    }
+    PyObject *old = take_slot(t, i);
+    maybe_shrink(t);
+    Py_DECREF(old);
+    return 0;
+}
+
+static int KeyTable_contains(KeyTable *t, PyObject *k) {
+    uint64_t key;
+    int ok = as_key(k, &key);
+    if (ok <= 0) {
+        return ok;
+    }
+    return find(t, key) >= 0;
+}
+
+static PyObject *KeyTable_get(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "get expected 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    uint64_t key;
+    int ok = as_key(args[0], &key);
+    if (ok < 0) {
+        return NULL;
+    }
+    Py_ssize_t i = ok ? find(t, key) : -1;
+    PyObject *v = i >= 0 ? t->slots[i].value : (nargs == 2 ? args[1] : Py_None);
+    Py_INCREF(v);
+    return v;
+}
+
+static PyObject *KeyTable_pop_some(KeyTable *t, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "pop_some(n) needs n >= 0");
+        return NULL;
+    }
+    if (n > t->used) {
+        n = t->used;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL || n == 0) {
+        return out;
+    }
+    /* Entries are taken in slot order, each as it is reached. The slot index does not move
+     * on after a take: the shift-back of take_slot may have moved a later entry of the run
+     * into it. So no entry ever moves behind the sweep (taking them all first and deleting
+     * after would shift some of the run behind it, to be missed for a whole round). */
+    Py_ssize_t cap = t->cap, i = (Py_ssize_t)mulhi(t->cursor, (uint64_t)cap), got = 0;
+    uint64_t last = 0;
+    while (got < n) {
+        Slot *s = &t->slots[i];
+        if (s->value == NULL) {
+            if (++i == cap) {
+                i = 0;
+            }
+            continue;
+        }
+        PyObject *key = PyLong_FromUnsignedLongLong(s->key);
+        PyObject *pair = key != NULL ? PyTuple_New(2) : NULL;
+        if (pair != NULL) {
+            PyTuple_SET_ITEM(pair, 0, key);
+        }
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            if (pair == NULL) {
+                Py_XDECREF(key);
+            }
+            Py_XDECREF(pair);
+            if (got == 0) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyErr_Clear(); /* out of memory: return the entries taken so far ("up to n") */
+            break;
+        }
+        last = s->key;
+        PyTuple_SET_ITEM(pair, 1, take_slot(t, i)); /* the table's reference moves there */
+        Py_DECREF(pair);                             /* the list holds it */
+        got++;
+    }
+    /* the next pop_some goes on from here, in hash space (a clock sweep) */
+    t->cursor = mix(last, t->seed) + 1;
+    /* shrink to a load of 1/2 at most, so the memory the caller freed shows at once */
+    if (t->used == 0) {
+        (void)resize(t, 0);
+    }
+    else if (t->used * 2 < t->cap && t->cap > MIN_CAP) {
+        if (resize(t, t->used * 2) < 0) {
+            PyErr_Clear();
+        }
+    }
+    return out;
+}
+
+static PyObject *KeyTable_sizeof(KeyTable *t, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromSsize_t((Py_ssize_t)sizeof(KeyTable) + t->cap * (Py_ssize_t)sizeof(Slot));
+}
+
+static PyObject *make_iter(KeyTable *t, int kind) {
+    KeyTableIter *it = PyObject_GC_New(KeyTableIter, &KeyTableIterType);
+    if (it == NULL) {
+        return NULL;
+    }
+    Py_INCREF(t);
+    it->table = t;
+    it->pos = 0;
+    it->version = t->version;
+    it->kind = kind;
+    PyObject_GC_Track(it);
+    return (PyObject *)it;
+}
+
+static PyObject *KeyTable_iter(KeyTable *t) { return make_iter(t, 0); }
+static PyObject *KeyTable_keys(KeyTable *t, PyObject *unused) {
+    (void)unused;
+    return make_iter(t, 0);
+}
+static PyObject *KeyTable_values(KeyTable *t, PyObject *unused) {
+    (void)unused;
+    return make_iter(t, 1);
+}
+static PyObject *KeyTable_items(KeyTable *t, PyObject *unused) {
+    (void)unused;
+    return make_iter(t, 2);
+}
+
+static PyObject *KeyTable_capacity(KeyTable *t, void *closure) {
+    (void)closure;
+    return PyLong_FromSsize_t(t->cap);
+}
+
+static PyObject *KeyTable_repr(KeyTable *t) {
+    return PyUnicode_FromFormat("<KeyTable: %zd keys in %zd slots>", t->used, t->cap);
+}
+
+static PyMethodDef KeyTable_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))KeyTable_get, METH_FASTCALL,
+     "get(key, default=None): the value of key, or default. A key no table can hold (not an "
+     "int in [0, 2**64)) is simply not found."},
+    {"pop_some", (PyCFunction)KeyTable_pop_some, METH_O,
+     "pop_some(n): remove up to n entries and return them as [(key, value)], in hash order "
+     "from where the previous call stopped (a clock sweep); then shrink to fit."},
+    {"keys", (PyCFunction)KeyTable_keys, METH_NOARGS, "An iterator over the keys."},
+    {"values", (PyCFunction)KeyTable_values, METH_NOARGS, "An iterator over the values."},
+    {"items", (PyCFunction)KeyTable_items, METH_NOARGS, "An iterator over (key, value)."},
+    {"__sizeof__", (PyCFunction)KeyTable_sizeof, METH_NOARGS,
+     "Bytes allocated: the object and its slot array."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef KeyTable_getset[] = {
+    {"capacity", (getter)KeyTable_capacity, NULL, "Slots allocated.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMappingMethods KeyTable_as_mapping = {
+    (lenfunc)KeyTable_len,
+    (binaryfunc)KeyTable_subscript,
+    (objobjargproc)KeyTable_ass_subscript,
+};
+
+static PySequenceMethods KeyTable_as_sequence = {
+    .sq_contains = (objobjproc)KeyTable_contains,
+};
+
+static PyTypeObject KeyTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router.core._keytable.KeyTable",
+    .tp_basicsize = sizeof(KeyTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "KeyTable(seed=0): a hash table from ints in [0, 2**64) to objects, 16 bytes "
+              "per slot (docs/index-memory.md).",
+    .tp_new = KeyTable_new,
+    .tp_dealloc = (destructor)KeyTable_dealloc,
+    .tp_traverse = (traverseproc)KeyTable_traverse,
+    .tp_clear = (inquiry)KeyTable_clear,
+    .tp_iter = (getiterfunc)KeyTable_iter,
+    .tp_methods = KeyTable_methods,
+    .tp_getset = KeyTable_getset,
+    .tp_as_mapping = &KeyTable_as_mapping,
+    .tp_as_sequence = &KeyTable_as_sequence,
+    .tp_repr = (reprfunc)KeyTable_repr,
+    .tp_hash = PyObject_HashNotImplemented,
+};
+
+/* ------------------------------------------------------------------- iterators */
+
+static void KeyTableIter_dealloc(KeyTableIter *it) {
+    PyObject_GC_UnTrack(it);
+    Py_XDECREF(it->table);
+    PyObject_GC_Del(it);
+}
+
+static int KeyTableIter_traverse(KeyTableIter *it, visitproc visit, void *arg) {
+    Py_VISIT(it->table);
+    return 0;
+}
+
+static PyObject *KeyTableIter_next(KeyTableIter *it) {
+    KeyTable *t = it->table;
+    if (t == NULL) {
+        return NULL;
+    }
+    if (t->version != it->version) {
+        PyErr_SetString(PyExc_RuntimeError, "KeyTable changed size during iteration");
+        return NULL;
+    }
+    while (it->pos < t->cap) {
+        Slot *s = &t->slots[it->pos++];
+        if (s->value == NULL) {
+            continue;
+        }
+        if (it->kind == 1) {
+            Py_INCREF(s->value);
+            return s->value;
+        }
+        PyObject *key = PyLong_FromUnsignedLongLong(s->key);
+        if (key == NULL || it->kind == 0) {
+            return key;
+        }
+        PyObject *pair = PyTuple_New(2);
+        if (pair == NULL) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        Py_INCREF(s->value);
+        PyTuple_SET_ITEM(pair, 0, key);
+        PyTuple_SET_ITEM(pair, 1, s->value);
+        return pair;
+    }
+    it->table = NULL;
+    Py_DECREF(t);
+    return NULL;
+}
+
+static PyTypeObject KeyTableIterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router.core._keytable.KeyTableIterator",
+    .tp_basicsize = sizeof(KeyTableIter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)KeyTableIter_dealloc,
+    .tp_traverse = (traverseproc)KeyTableIter_traverse,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)KeyTableIter_next,
+};
+
+/* ------------------------------------------------------------------- module */
+
+static struct PyModuleDef keytable_module = {
+    PyModuleDef_HEAD_INIT, "router.core._keytable",
+    "A compact uint64 -> object hash table for the router's index (docs/index-memory.md).", -1,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__keytable(void) {
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&KeyTableIterType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&keytable_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&KeyTableType);
+    if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
+        Py_DECREF(&KeyTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
