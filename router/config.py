@@ -156,7 +156,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_bytes: int = 1 << 30
     """Memory budget of each pool's index (router.core.index ``KVIndex.nbytes``: its tables,
-    hashes and replica bitmasks, about 70-160 bytes per key, more with more replicas)."""
+    hashes and replica bitmasks: about 25-45 bytes per key with the compact tables of
+    router.core._keytable, 70-160 with dict tables, more with more replicas;
+    docs/index-memory.md)."""
     replay_timeout_s: float = 2.0
     max_groups: int = 64
     """Events with ``group_idx`` outside ``0..max_groups-1`` are refused (counted, replica

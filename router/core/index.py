@@ -20,20 +20,34 @@ contradicts the pool's, or whose hashes fail the live conformance check is marke
 
 Memory is accounted in bytes and bounded by ``IndexLimits.max_bytes``. The account
 (:meth:`KVIndex.nbytes`) follows what the index holds, as tracemalloc measures it on CPython:
-the tables as allocated (``sys.getsizeof`` of each dict, O(tables)), one hash object per key
-(its size sampled once: a pool's hashes share one type), the replica bitmask of each key two
-or more replicas hold, by its width (a Python int grows 4 bytes per 30 bits of slots, so masks
-of high slots cost more; the ingest updates this part only when a mask's highest bit moves), a
-tuple per side-table entry and ~1.2 kB per replica's own records. A key one replica alone holds
-(most keys: conversations, one-offs) stores that replica's own bit object as its mask, so it
-costs no int of its own: at 64 replicas that was 36 of 110 bytes per key, at 256 replicas 60.
-tests/test_index_memory.py holds the account within 10 % of tracemalloc at 8-256 replicas,
-and bench/fleet_bench.py reports the ratio up to 1024.
-When the account exceeds the budget, the oldest-inserted keys of the largest table are
-reclaimed, 10 % at a time, until it is under 90 % of the budget (dicts keep insertion order,
-so this is FIFO by first store; a dict does not shrink, so its allocation stays counted).
-Reclaimed keys only ever make predictions lower than the truth (a missing key cannot create a
-hit), and their later removals are ignored like any unknown hash.
+the tables as allocated (``sys.getsizeof`` of each, O(tables)), one hash object per key of a
+dict table (its size sampled once: a pool's hashes share one type), the replica bitmask of
+each key two or more replicas hold, by its width (a Python int grows 4 bytes per 30 bits of
+slots, so masks of high slots cost more; the ingest updates this part only when a mask's
+highest bit moves), a tuple and a hash object per side-table entry and ~1.2 kB per replica's
+own records. A key one replica alone holds (most keys: conversations, one-offs) stores that
+replica's own bit object as its mask, so it costs no int of its own.
+
+**Tables** (docs/index-memory.md): where the C extension ``router.core._keytable`` is built
+and the pool's wire hashes are ints (``int_block_hashes``, vLLM's default), each (tier, group)
+table is a ``KeyTable``: the 64-bit hash stored inline beside the mask pointer, 16 bytes a
+slot at a load of 1/2-3/4, so a key costs 21-32 bytes where a dict spends ~44 on its slot and
+36 on the int object of the key. Otherwise (not built, ``KVROUTER_NATIVE_INDEX=0``, bytes
+hashes) the tables are dicts, the reference the KeyTable is tested against. A KeyTable refuses
+a key that is not an int in [0, 2**64) (a replica sending bytes or negative hashes although
+the pool's are ints): that one table is then turned into a dict holding the same keys
+(``KVIndex.demoted``), so the key is kept as the dict path keeps it.
+tests/test_index_memory.py holds the account within 10 % of tracemalloc at 8-256 replicas on
+either kind of table, and bench/fleet_bench.py reports the ratio.
+
+When the account exceeds the budget, 10 % of the keys of the largest table are reclaimed at a
+time until it is under 90 % of the budget: a dict's oldest-inserted keys (dicts keep
+insertion order, so FIFO by first store; a dict does not shrink, so its allocation stays
+counted), a KeyTable's next keys in a clock sweep over its (seeded) hash order, each reclaim
+resuming where the last stopped, after which it shrinks to fit (so a budget holds 2-5x the
+keys it holds with dicts). Reclaimed keys only ever make predictions lower than the truth (a
+missing key cannot create a hit), and their later removals are ignored like any unknown
+hash.
 """
 
 from __future__ import annotations
@@ -208,8 +222,8 @@ class IndexLimits:
     """Bounds and sampling rates; the defaults suit a few million cached blocks."""
 
     max_bytes: int = 2 << 30
-    """Memory budget of the index (KVIndex.nbytes: 70-160 bytes per key, more with more
-    replicas); over it, keys are reclaimed."""
+    """Memory budget of the index (KVIndex.nbytes: about 25-45 bytes per key with compact
+    tables, 70-160 with dicts, more with more replicas); over it, keys are reclaimed."""
     conformance_first: int = 64
     """Root full-attention stores re-hashed per replica before sampling starts."""
     conformance_every: int = 32
