@@ -121,6 +121,12 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Set ``stream_options.include_usage`` on streaming requests that lack it, so every
     answer reports ``cached_tokens`` (the prediction check, and learning what a replica held
     before the router attached), and strip the usage event from the client's stream again."""
+    report_mode_full: Literal["strip", "refuse"] = "strip"
+    """A request with ``vllm_xargs.kv_cache_report_mode = "full"`` makes vLLM re-announce
+    the prefix it reused as ``BlockStored`` events that store nothing (null positions of
+    sliding-window and Mamba groups included, spec §5.4): counted as copies they would make
+    the index claim blocks the replica does not hold. ``strip`` removes the key before
+    forwarding (the replica reports incrementally, as by default); ``refuse`` answers 400."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     """``text``: ``<time> <LEVEL> <logger>: <message> key=value ...``; ``json``: one object per

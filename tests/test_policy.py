@@ -139,6 +139,19 @@ def test_lower_tiers_are_weighted() -> None:
     assert gpu.cost < cpu.cost < p.score(N, Candidate(("n", 0))).cost
 
 
+def test_a_bounded_replay_tail_saves_no_prefill() -> None:
+    # DeepSeek-V4.1-style bounded replay: a 1,000-token hit with a 128-token window reports
+    # 1,000 cached tokens but prefills the last 128 again, so it saves 872
+    p = KVCostPolicy(PolicyConfig(lookahead_weight=0.0))
+    plain = p.score(N, Candidate(("p", 0), hit_tokens=1000))
+    replayed = p.score(N, Candidate(("r", 0), hit_tokens=1000, replay_tokens=128))
+    assert replayed.hit_tokens == 1000 and replayed.effective_hit == 872
+    assert replayed.cost - plain.cost == 128
+    shorter = Candidate(("s", 0), hit_tokens=900)  # saves 900 > 872: the better choice
+    chosen = p.choose(N, [Candidate(("r", 0), hit_tokens=1000, replay_tokens=128), shorter])
+    assert chosen.chosen.key == ("s", 0)
+
+
 def test_kv_pressure_adds_cost_only_above_threshold() -> None:
     p = KVCostPolicy()
     base = p.score(N, Candidate(("a", 0), kv_usage=0.5)).cost

@@ -484,3 +484,31 @@ def test_a_multi_rank_replica_gets_vllms_rank_header_by_default() -> None:
     empty = text.replace("dp_ranks = [0, 1]\n", 'dp_ranks = [0, 1]\ndp_rank_header = ""\n')
     with pytest.raises(ValueError, match="dp_rank_header is empty"):
         parse_config(empty)
+
+
+def test_report_mode_full_is_stripped_or_refused(cluster: Cluster) -> None:
+    # vLLM re-announces a reused prefix as BlockStored with kv_cache_report_mode = "full"
+    # (spec §5.4): the router keeps the request but not the key (or refuses it)
+    full = {"kv_cache_report_mode": "full", "other": 3}
+    r = cluster.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": words(91, 20), "vllm_xargs": full}
+    )
+    assert r.status_code == 200, r.text
+    fake = cluster.fake(r.headers["x-kvrouter-replica"])
+    assert fake.last_body["vllm_xargs"] == {"other": 3}
+    alone = {"vllm_xargs": {"kv_cache_report_mode": "full"}}
+    r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": "w1", **alone})
+    assert "vllm_xargs" not in cluster.fake(r.headers["x-kvrouter-replica"]).last_body
+    plain = {"vllm_xargs": {"kv_cache_report_mode": "incremental"}}
+    r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": "w2", **plain})
+    last = cluster.fake(r.headers["x-kvrouter-replica"]).last_body
+    assert last["vllm_xargs"] == {"kv_cache_report_mode": "incremental"}  # left alone
+    text = cluster.http.get("/metrics").text
+    assert 'kvrouter_report_mode_full_requests_total{action="strip",pool=' in text
+    refusing = Cluster(names=("a",), report_mode_full="refuse")
+    try:
+        r = refusing.http.post("/v1/completions", json={"model": MODEL, "prompt": "w1", **alone})
+        assert r.status_code == 400 and "kv_cache_report_mode" in r.json()["error"]["message"]
+        assert refusing.fake("a").requests == 0
+    finally:
+        refusing.close()

@@ -2,7 +2,8 @@
 
 The ``kv`` cost model, in prefill-token equivalents (lower is better)::
 
-    effective_hit = gpu_hit + Σ_tier w_tier · max(0, tier_hit - gpu_hit)     (CPU, STORAGE)
+    effective_hit = hit - load_cost - replay                 (hit: local + loaded from a store)
+                    + Σ_tier w_tier · max(0, tier_hit - hit)               (CPU, STORAGE)
     prefill       = num_tokens - effective_hit
     queued        = pending_prefill_tokens
                     + per_request_tokens     · max(router_in_flight, running)
@@ -13,8 +14,11 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
     affinity      = min(affinity_max_tokens, affinity_weight · home_tokens)
     cost          = prefill + queued - look_ahead + pressure - affinity
 
-* ``gpu_hit`` is the exact hybrid hit vLLM will report (router.core.predict); an untrusted replica
-  has ``gpu_hit = tier hits = fa_prefix = 0``: never a guess (ARCHITECTURE decision 3).
+* ``hit`` is the exact hybrid hit vLLM will report (router.core.predict): the local hit plus
+  what a shared store loads (``load_cost``: the loaded tokens at the tier's ``load_cost``, see
+  router.core.external); ``replay`` the tail a bounded-replay layout recomputes anyway
+  (router.core.hybrid.bounded_replay). An untrusted replica has ``hit = tier hits = fa_prefix
+  = 0``: never a guess (ARCHITECTURE decision 3).
 * ``pending_prefill_tokens`` are the uncached prompt tokens of the requests the router sent
   there that have not produced a first byte yet: the prefill the replica still owes.
 * ``running``/``waiting``/``kv_usage`` come from the replica's ``/metrics`` (None: unknown,
@@ -127,6 +131,9 @@ class Candidate:
     """Tokens of ``hit_tokens`` loaded from a shared store, weighted by their tier's
     ``load_cost`` (router.core.external): what the load costs against a prefill."""
     blind_hit_tokens: int | None = None
+    replay_tokens: int = 0
+    """Of ``hit_tokens``, the tokens a bounded-replay layout recomputes anyway (the hit is
+    reported whole, its last window prefilled again: router.core.hybrid.bounded_replay)."""
     trusted: bool = True
     in_flight: int = 0
     pending_prefill_tokens: int = 0
@@ -305,7 +312,7 @@ class KVCostPolicy(_CostPolicy):
         cfg = self.cfg
         if c.trusted:
             hit = c.hit_tokens
-            eff = hit - c.load_cost_tokens
+            eff = hit - c.load_cost_tokens - c.replay_tokens
             for tier, th in c.tier_hits.items():
                 if th > hit:
                     eff += cfg.lower_tier_weights.get(tier, 0.0) * (th - hit)

@@ -218,6 +218,13 @@ class RouterMetrics:
             ["pool", "reason"],
             registry=r,
         )
+        self.report_mode_full = Counter(
+            "kvrouter_report_mode_full_requests",
+            "Requests asking vLLM for kv_cache_report_mode=full, stripped or refused "
+            "(server.report_mode_full)",
+            ["pool", "action"],
+            registry=r,
+        )
         self.decision_seconds = Histogram(
             "kvrouter_decision_seconds",
             "Tokenize + predict + policy time per request",

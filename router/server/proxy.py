@@ -292,6 +292,28 @@ class Proxy:
             )
             return
         out.pool = pool.name
+        rewrite = False
+        xargs = body.get("vllm_xargs")
+        if isinstance(xargs, dict) and xargs.get("kv_cache_report_mode") == "full":
+            action = self.cfg.report_mode_full
+            self._m.report_mode_full.labels(pool.name, action).inc()
+            if action == "refuse":
+                msg = (
+                    'vllm_xargs.kv_cache_report_mode = "full" is refused by this router: vLLM '
+                    "then re-announces reused blocks as new stores, which would make the "
+                    "router's view of the replica's cache wrong; drop the key"
+                )
+                await self._send_simple(
+                    send, 400, msg, request_id, param="vllm_xargs", reason="report_mode_full"
+                )
+                return
+            rest = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
+            body = (
+                {**body, "vllm_xargs": rest}
+                if rest
+                else {k: v for k, v in body.items() if k != "vllm_xargs"}
+            )
+            rewrite = True
         send = watch.start(receive, send, pool.name)
         t0 = time.perf_counter()
         tok = await pool.tokenizer.tokenize(kind, body)  # type: ignore[arg-type]
@@ -303,6 +325,8 @@ class Proxy:
             # the answer's cached_tokens feed the prediction loop and learning (a partial
             # replica); the client, which did not ask for usage, will not see it
             strip_usage = True
+            rewrite = True
+        if rewrite:
             raw = _encode(body)
         exclude: set[tuple[str, int]] = set()
         last_error: _Upstream | None = None

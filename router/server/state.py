@@ -771,6 +771,7 @@ def _candidate(
         tier_hits=h.tier_hits if h is not None else {},
         load_cost_tokens=h.load_cost_tokens if h is not None else 0.0,
         blind_hit_tokens=h.blind_hit_tokens if h is not None else None,
+        replay_tokens=res.replay_tokens if res is not None else 0,
         trusted=h.trusted if h is not None else False,
         in_flight=mine,
         pending_prefill_tokens=rep.pending_prefill.get(r, 0),
