@@ -71,7 +71,9 @@ def test_removals_clears_ttl_and_capacity_bound_the_view() -> None:
     assert sorted(h for _, h in shared.keys) == [2, 3, 4, 5] and shared.expired == 1
     index.apply_events(("b", 0), [BlockRemoved(block_hashes=[3], medium="cpu", group_idx=0)])
     assert not shared.has(0, 3) and shared.has(0, 2)
-    shared.expire(next(iter(shared.keys.values())) + 11.0)
+    index.expire_shared(next(iter(shared.keys.values())) + 9.0)  # not yet
+    assert len(shared) == 3
+    index.expire_shared(next(iter(shared.keys.values())) + 11.0)  # what PoolState.predict calls
     assert len(shared) == 0
     index.apply_events(("a", 0), [stored("cpu", 0, [7])])
     index.apply_events(("b", 0), [AllBlocksCleared()])

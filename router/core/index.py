@@ -1552,6 +1552,12 @@ class KVIndex:
     def shared_tiers(self) -> dict[str, SharedTier]:
         return self._shared
 
+    def expire_shared(self, now: float) -> None:
+        """Forget the shared stores' keys older than their ``ttl_s`` (their connector
+        publishes no evictions); the caller reads the clock, so the predictor stays pure."""
+        for tier in self._shared.values():
+            tier.expire(now)
+
     def tiers_in_use(self) -> list[str]:
         return [name for name, t in self._tiers.items() if any(t.tables)]
 

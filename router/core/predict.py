@@ -14,7 +14,6 @@ then only probes the few sliding-window / Mamba blocks it needs, from a shared m
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -404,10 +403,8 @@ class Predictor:
         shared = self.index.shared_tiers()
         if not shared or skip_reading:
             return hits, groups
-        now = time.monotonic()
         to_store = {g: i for i, g in enumerate(store_group_ids(layout))}
-        for name, tier in shared.items():
-            tier.expire(now)
+        for name, tier in shared.items():  # expired by the caller (KVIndex.expire_shared)
             if not len(tier):
                 continue
 

@@ -665,6 +665,8 @@ class PoolState:
     ) -> Prediction:
         """The events-only prediction for every replica (or ``replicas``)."""
         keys, skip = body_request_keys(body, self.cfg.lora_adapters)
+        if self.index.shared_tiers():
+            self.index.expire_shared(time.monotonic())
         return self.predictor.predict(
             token_ids,
             keys,
