@@ -423,9 +423,7 @@ class Proxy:
         # the prefill it still owes uses the hit the policy ranked with: a request stacked on
         # an in-flight one with the same prefix (speculative hit) adds only its remainder
         pending = max(0, choice.num_tokens - choice.decision.chosen.hit_tokens)
-        rep.in_flight[rank] = rep.in_flight.get(rank, 0) + 1
-        rep.pending_prefill[rank] = rep.pending_prefill.get(rank, 0) + pending
-        rep.touch()  # its queued work changed (the pool's load-ordered book)
+        rep.request_started(rank, pending)  # its queued work (the pool's load-ordered book)
         choice.pool.wrote(rep, rank, pending)
         gauge = self._m.in_flight.labels(choice.pool.name, key[0])
         gauge.inc()
@@ -458,7 +456,7 @@ class Proxy:
                             f"HTTP {status}",
                             (status, [*out_headers, _clen(data)], data),
                         )
-                    self._release_pending(rep, rank, pending)
+                    rep.release_pending(rank, pending)
                     pending = 0
                     attempt_answered(choice.pool, rep)
                     out_headers.append(_clen(data))
@@ -475,7 +473,7 @@ class Proxy:
                 try:
                     async for chunk in resp:
                         if first:
-                            self._release_pending(rep, rank, pending)
+                            rep.release_pending(rank, pending)
                             pending = 0
                             attempt_answered(choice.pool, rep)
                             await send(
@@ -533,16 +531,8 @@ class Proxy:
                 # in flight no more: its entries get the grace for its last events (a failover
                 # discards them right after this, a cancelled start did above)
                 choice.pool.speculative.finish(choice.insertion)
-            self._release_pending(rep, rank, pending)
-            rep.in_flight[rank] -= 1
-            rep.touch()
+            rep.request_finished(rank, pending)
             gauge.dec()
-
-    @staticmethod
-    def _release_pending(rep: ReplicaState, rank: int, pending: int) -> None:
-        if pending:
-            rep.pending_prefill[rank] = max(0, rep.pending_prefill.get(rank, 0) - pending)
-            rep.touch()
 
     def _check(
         self,

@@ -130,6 +130,25 @@ class ReplicaState:
         if name in _WATCHED:
             self.touch()
 
+    def request_started(self, rank: int, pending: int) -> None:
+        """A request was sent to ``rank``; ``pending``: the uncached prompt tokens it owes."""
+        self.in_flight[rank] = self.in_flight.get(rank, 0) + 1
+        self.pending_prefill[rank] = self.pending_prefill.get(rank, 0) + pending
+        self.touch()
+
+    def release_pending(self, rank: int, pending: int) -> None:
+        """The request's first byte arrived (or it ended): its prefill is owed no more."""
+        if pending:
+            self.pending_prefill[rank] = max(0, self.pending_prefill.get(rank, 0) - pending)
+            self.touch()
+
+    def request_finished(self, rank: int, pending: int) -> None:
+        """The request left ``rank`` (answered, failed or cancelled)."""
+        if pending:
+            self.pending_prefill[rank] = max(0, self.pending_prefill.get(rank, 0) - pending)
+        self.in_flight[rank] -= 1
+        self.touch()
+
     def as_dict(self) -> dict[str, Any]:
         now, wall = time.monotonic(), time.time()
         return {
