@@ -49,10 +49,11 @@ LAYOUTS = {
 }
 
 
-def stored(group: int, hashes: list, spec: GroupSpec) -> BlockStored:
+def stored(group: int, hashes: list, spec: GroupSpec, parent: object = 1) -> BlockStored:
+    """``parent`` 1 by default: not a root store, so no conformance re-hash is needed."""
     return BlockStored(
         block_hashes=hashes,
-        parent_block_hash=1,  # not a root store: no conformance re-hash needed here
+        parent_block_hash=parent,
         token_ids=[],
         block_size=spec.block_size,
         lora_id=None,

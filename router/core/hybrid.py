@@ -19,7 +19,7 @@ structures: the router runs this per replica on chains of thousands of fine hash
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from events.layout import (
@@ -545,3 +545,30 @@ def blocks_behind_hit(layout: ResolvedLayout, hit_tokens: int) -> list[tuple[int
         k = b // h
         out.extend((g, (j + 1) * k - 1) for g in sg.group_ids for j in range(first, end))
     return out
+
+
+def implied_by_held(spec: GroupSpec, held: Sequence[bool]) -> list[int]:
+    """The blocks of one group a replica holds because of the blocks it holds (``held[j]``:
+    block ``j`` of the request's chain is held), not yet in ``held``: what a *partial*
+    replica's index may add when a request names them (docs/live-fleet.md).
+
+    Full attention: every ancestor of a held block. vLLM frees a request's blocks tail first
+    and a request holds all its full-attention ancestors, so a cached block's parent is
+    cached (spec §2.2, §5.4). Sliding window: the ``ceil((window - 1) / B)`` blocks ending
+    at a held block, which the request that stored it (or hit it) held then; whether they
+    were removed since is for the caller to check. Other kinds imply nothing; neither do
+    layouts whose rule is not the plain one (the caller checks ``blocks_behind_hit``).
+    """
+    last = max((j for j, h in enumerate(held) if h), default=-1)
+    if last < 0:
+        return []
+    if spec.kind in FA_TYPE_KINDS:
+        return [j for j in range(last) if not held[j]]
+    if spec.kind not in SLIDING_KINDS:
+        return []
+    need = _window_need(spec, False)
+    out: set[int] = set()
+    for q in range(last + 1):
+        if held[q]:
+            out.update(j for j in range(max(0, q + 1 - need), q) if not held[j])
+    return sorted(out)

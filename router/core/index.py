@@ -58,13 +58,15 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
 from events.hashing import DEFAULT_MEMO_ENTRIES, BlockHasher, RequestKeys, expected_stored_hashes
 from events.layout import (
+    SLIDING_KINDS,
     GroupKind,
     GroupSpec,
     LayoutError,
@@ -278,6 +280,12 @@ class ReplicaStats(msgspec.Struct):
     closure_kept: int = 0
     """Removals of a partial replica's last known copy of a full-attention key that a held
     child proved was not its last copy (KVIndex._close_ancestors)."""
+    witnessed_parents: int = 0
+    """Keys a partial replica's stores named as their parent while the index did not hold
+    them: blocks cached before attach, proved present by the store (KVIndex._witness_scan)."""
+    implied_blocks: int = 0
+    """Keys a partial replica holds by vLLM's cache structure, implied by held keys when a
+    request's prefix named them (Predictor.implied_keys, KVIndex.infer)."""
 
 
 @dataclass(slots=True)
@@ -318,6 +326,16 @@ class _Replica:
     children: dict[tuple[int, object], list[object]] | None = None
     """While partial: full-attention ``(group, parent hash) -> child hashes`` seen stored, the
     witnesses of KVIndex._close_ancestors (None while exact or untrusted)."""
+    gone: set[tuple[int, object]] | None = None
+    """While partial: the GPU ``(group, hash)`` keys whose removal since attach left the index
+    without them (KVIndex.gone). A block cached before attach that is named only as an
+    ancestor is implied present unless it is here; None while exact or untrusted, and once
+    more than ``IndexLimits.max_closure_parents`` were seen (nothing is implied from then)."""
+    anchors: set[tuple[int, object]] | None = None
+    """While partial: the held sliding-window keys whose window vLLM held when they were
+    stored (stored since attach, or a store's parent), the only ones that imply the blocks
+    before them (KVIndex.anchors). A key held for another reason (an answer, an implication)
+    proves nothing about its own window. Dropped with ``gone``."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             (
@@ -335,6 +353,8 @@ class _Replica:
                 "late_attaches",
                 "inferred_blocks",
                 "closure_kept",
+                "witnessed_parents",
+                "implied_blocks",
             ),
             0,
         )
@@ -409,14 +429,18 @@ def _link(
     child: object,
     cap: int,
 ) -> None:
-    """Remember ``child`` under ``parent`` (KVIndex._close_ancestors): at most 8 children per
-    parent (any one held is proof), at most ``cap`` parents (the oldest forgotten first)."""
+    """Remember ``child`` under ``parent`` (KVIndex._close_ancestors): the 8 latest children
+    per parent (any one held is proof, and the latest are the likeliest still cached: a hot
+    prefix gets a new child with every request, and its first ones are long evicted), at most
+    ``cap`` parents (the oldest forgotten first)."""
     kids = children.get(parent)
     if kids is None:
         if len(children) >= cap:
             del children[next(iter(children))]
         children[parent] = [child]
-    elif child not in kids and len(kids) < 8:
+    elif child not in kids:
+        if len(kids) >= 8:
+            del kids[0]
         kids.append(child)
 
 
@@ -480,6 +504,8 @@ class KVIndex:
         """Tiers one store shared by the whole pool holds (router.core.shared_tier): their
         events go there, pool-wide, instead of into per-replica bitmasks."""
         self._replicas: dict[ReplicaKey, _Replica] = {}
+        self._partial: dict[ReplicaKey, None] = {}
+        """The partial replicas (those with ``children``), so a decision finds them in O(1)."""
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._learned: dict[int, GroupSpec] = {}
@@ -521,6 +547,7 @@ class KVIndex:
             raise UnknownReplica(name if dp_rank is None else f"{name}/dp{dp_rank}")
         for key in keys:
             rep = self._replicas.pop(key)
+            self._partial.pop(key, None)
             self._wipe(rep)
             self._free_slots.append(rep.slot)
             if self._layout_source == rep.slot:
@@ -528,6 +555,34 @@ class KVIndex:
 
     def replicas(self) -> list[ReplicaKey]:
         return list(self._replicas)
+
+    def partial_replicas(self) -> list[ReplicaKey]:
+        """The replicas whose hits are a lower bound (trust ``partial``), in O(partial)."""
+        return list(self._partial)
+
+    def gone(self, key: ReplicaKey) -> AbstractSet[tuple[int, object]] | None:
+        """A partial replica's GPU keys removed since attach and not held again (read-only:
+        see ``_Replica.gone``); None when nothing may be implied from what is not here."""
+        return self._replica(key).gone
+
+    def anchors(self, key: ReplicaKey) -> AbstractSet[tuple[int, object]]:
+        """A partial replica's sliding-window keys that imply their window (read-only: see
+        ``_Replica.anchors``); empty when nothing may be implied through windows."""
+        rep = self._replica(key)
+        return rep.anchors if rep.gone is not None and rep.anchors is not None else frozenset()
+
+    def _track_partial(self, rep: _Replica, on: bool) -> None:
+        """Start (empty) or drop what only a partial replica's index keeps (``children``,
+        ``gone``, ``anchors``): a new partial period starts from nothing known about before
+        it."""
+        rep.children = {} if on else None
+        rep.gone = set() if on else None
+        rep.anchors = set() if on else None
+        key = (rep.name, rep.dp_rank)
+        if on:
+            self._partial[key] = None
+        else:
+            self._partial.pop(key, None)
 
     # ---------------------------------------------------------------- snapshot
 
@@ -580,7 +635,7 @@ class KVIndex:
             raise ValueError(f"replica {snap.name}/dp{snap.dp_rank} already holds state")
         rep.trusted, rep.untrusted_reason = snap.trusted, snap.untrusted_reason
         rep.recoverable, rep.partial_reason = snap.recoverable, snap.partial_reason
-        rep.children = {} if rep.trusted and rep.partial_reason is not None else None
+        self._track_partial(rep, rep.trusted and rep.partial_reason is not None)
         rep.group_aware, rep.learned = snap.group_aware, dict(snap.learned)
         if learned and not self.declared.groups and self._resolved is None:
             try:
@@ -1028,8 +1083,13 @@ class KVIndex:
         finally:
             if rep.trusted and rep.partial_reason is not None and rep.children is None:
                 rep.children = children
-        if watch and rep.children is not None:
+        if rep.children is None:
+            return  # a clear made it exact, or it was distrusted: nothing more to keep
+        if watch:
             self._close_ancestors(rep, rep.children, watch)
+        groups = self._implying_groups()
+        if groups:
+            self._witness_scan(rep, events, groups)
 
     def _fa_groups(self) -> frozenset[int]:
         """Group ids of the pool's full-attention-type groups (empty while not learned)."""
@@ -1038,6 +1098,86 @@ class KVIndex:
             return frozenset()
         return frozenset(g for sg in layout.spec_groups if sg.spec.is_fa_type for g in sg.group_ids)
 
+    def _implying_groups(self) -> frozenset[int]:
+        """Groups whose held keys imply others (full attention: every ancestor; sliding
+        window: the blocks of the window before it), where the layout's hit rule is the plain
+        one :func:`router.core.hybrid.blocks_behind_hit` describes; empty otherwise."""
+        layout = self._resolved
+        if layout is None or layout.partial_hits:
+            return frozenset()
+        if any(sg.spec.eagle for sg in layout.spec_groups):
+            return frozenset()
+        return frozenset(
+            g
+            for sg in layout.spec_groups
+            if sg.spec.is_fa_type or sg.spec.kind in SLIDING_KINDS
+            for g in sg.group_ids
+        )
+
+    def _witness_scan(self, rep: _Replica, events: list, groups: frozenset[int]) -> None:
+        """After a partial replica's batch: hold the parents its stores named that the index
+        lacks, and keep ``rep.gone`` up to date.
+
+        A ``BlockStored``'s parent is the block before it in the request's chain, which the
+        request holds in that group when vLLM stores the new blocks (spec §2.2: the first
+        store after admission names the last hit block; later ones the request's own last
+        block, inside its window). A parent the index does not hold was therefore cached
+        before attach, and is cached at that moment: held from now on, retired by its
+        ``BlockRemoved`` like any key (``witnessed_parents``). A parent removed later in the
+        same batch proves nothing about the state after it and is skipped.
+
+        ``gone`` collects the keys of these groups whose removal left the index without
+        them, and drops those held again: the keys :meth:`Predictor.implied_keys` may not
+        imply. Past ``IndexLimits.max_closure_parents`` of them it is dropped (None) and
+        nothing is implied through windows any more (full attention needs no such record)."""
+        parents: dict[tuple[int, object], bool] = {}
+        removed: list[tuple[int, object]] = []
+        stored: list[tuple[int, object]] = []
+        for g, ev, spec in self._gpu_chain_events(events, groups):
+            if spec is None:  # a removal
+                for h in ev.block_hashes:
+                    removed.append((g, h))
+                    if (g, h) in parents:
+                        parents[(g, h)] = False
+                continue
+            if not spec.is_fa_type:
+                stored.extend((g, h) for h in ev.block_hashes)
+            p = ev.parent_block_hash
+            if p is not None:
+                parents[(g, p)] = True
+        tables = self._tiers["GPU"]
+        bit, gone, anchors = rep.bit, rep.gone, rep.anchors
+        for (g, p), proved in parents.items():
+            if proved and g < len(tables.tables) and self._hold(rep, tables, g, p):
+                rep.counters["witnessed_parents"] += 1
+                self.generation += 1
+        if gone is None or anchors is None:
+            return
+        for gh in stored:
+            if tables.tables[gh[0]].get(gh[1], 0) & bit:
+                anchors.add(gh)
+        for gh, proved in parents.items():
+            if proved:
+                gone.discard(gh)
+                if gh[0] < len(tables.tables) and not self._group_spec(gh[0]).is_fa_type:
+                    anchors.add(gh)
+        for g, h in removed:
+            if g < len(tables.tables) and tables.tables[g].get(h, 0) & bit:
+                gone.discard((g, h))
+            else:
+                gone.add((g, h))
+                anchors.discard((g, h))
+        if len(gone) > self.limits.max_closure_parents:
+            rep.gone = rep.anchors = None
+            log.info(
+                "pool %r replica %s/dp%d: over %d blocks removed since attach; sliding-window "
+                "blocks are no longer implied by the keys after them",
+                self.pool,
+                rep.name,
+                rep.dp_rank,
+                self.limits.max_closure_parents,
+            )
+
     def _closure_scan(
         self, children: dict[tuple[int, object], list[object]], events: list, fa: frozenset[int]
     ) -> list[tuple[int, object]]:
@@ -1045,27 +1185,38 @@ class KVIndex:
         store of full blocks: its parent, then each hash the parent of the next) and return
         the removed keys that have recorded children."""
         cap = self.limits.max_closure_parents
-        tier_of = self._tier_of
         watch: list[tuple[int, object]] = []
+        for g, ev, spec in self._gpu_chain_events(events, fa):
+            if spec is None:  # a removal
+                watch.extend((g, h) for h in ev.block_hashes if (g, h) in children)
+                continue
+            prev = ev.parent_block_hash
+            for h in ev.block_hashes:
+                if prev is not None:
+                    _link(children, (g, prev), h, cap)
+                prev = h
+        return watch
+
+    def _gpu_chain_events(
+        self, events: list, groups: frozenset[int]
+    ) -> Iterator[tuple[int, Any, GroupSpec | None]]:
+        """``(group, event, spec)`` for a batch's GPU stores of whole blocks in ``groups`` (not
+        partial entries, whose block is the hash unit) and ``(group, event, None)`` for its
+        GPU removals there, in order: what the partial replica's scans read."""
+        tier_of = self._tier_of
         for ev in events:
             cls = type(ev)
             if cls is BlockStored or cls is LazyTokensBlockStored:
                 g = ev.group_idx or 0
-                if g not in fa or tier_of.get(ev.medium) != "GPU" or not ev.block_hashes:
+                if g not in groups or tier_of.get(ev.medium) != "GPU" or not ev.block_hashes:
                     continue
                 spec = self._group_spec(g)
-                if spec is None or ev.block_size != spec.block_size:
-                    continue  # a partial entry: not a block of the chain
-                prev = ev.parent_block_hash
-                for h in ev.block_hashes:
-                    if prev is not None:
-                        _link(children, (g, prev), h, cap)
-                    prev = h
+                if spec is not None and ev.block_size == spec.block_size:
+                    yield g, ev, spec
             elif cls is BlockRemoved:
                 g = ev.group_idx or 0
-                if g in fa and tier_of.get(ev.medium) == "GPU":
-                    watch.extend((g, h) for h in ev.block_hashes if (g, h) in children)
-        return watch
+                if g in groups and tier_of.get(ev.medium) == "GPU":
+                    yield g, ev, None
 
     def _close_ancestors(
         self,
@@ -1199,7 +1350,7 @@ class KVIndex:
             rep.recoverable = recoverable
             rep.down = label == "replica_down"
         rep.trusted = False
-        rep.children = None
+        self._track_partial(rep, False)
         if not recoverable and rep.slot == self._layout_source and not self.declared.groups:
             self._relearn(rep)
         self.generation += 1
@@ -1267,7 +1418,8 @@ class KVIndex:
         keys go, nothing is unknown any more, and it is trusted again unless its settings
         are what distrusted it."""
         self._wipe(rep)
-        rep.partial_reason = rep.children = None
+        rep.partial_reason = None
+        self._track_partial(rep, False)
         if rep.recoverable:
             self._trust_again(rep)
 
@@ -1305,7 +1457,7 @@ class KVIndex:
         rep = self._replica(key)
         rep.counters["late_attaches"] += 1
         if rep.trusted and rep.partial_reason is None:
-            rep.children = {}
+            self._track_partial(rep, True)
             rep.partial_reason = (
                 f"attached late ({detail}): blocks cached before are unknown until vLLM's "
                 f"answers show them or the replica's prefix cache is reset"
@@ -1315,11 +1467,17 @@ class KVIndex:
             )
             self.generation += 1
 
-    def infer(self, key: ReplicaKey, keys: Iterable[tuple[int, object]]) -> int:
+    def infer(
+        self,
+        key: ReplicaKey,
+        keys: Iterable[tuple[int, object]],
+        counter: str = "inferred_blocks",
+    ) -> int:
         """Record ``(group, wire hash)`` keys vLLM's answer proved the replica holds (its
         reported ``cached_tokens`` needed them) but no event showed: blocks cached before a
         late attach. They are held like any stored key, so a ``BlockRemoved`` retires them.
-        Returns how many were new."""
+        ``counter`` names the proof (``implied_blocks``: vLLM's cache structure, see
+        :meth:`Predictor.implied_keys`). Returns how many were new."""
         rep = self._replica(key)
         tier = self._tiers["GPU"]
         added = 0
@@ -1335,7 +1493,9 @@ class KVIndex:
             if 0 <= g < self.limits.max_groups:
                 tier.group(g)
                 added += self._hold(rep, tier, g, h)
-        rep.counters["inferred_blocks"] += added
+        rep.counters[counter] += added
+        if rep.gone is not None:
+            rep.gone.difference_update(keys)
         if added:
             self.generation += 1
         return added
@@ -1383,7 +1543,7 @@ class KVIndex:
         self._count(rep, "lost_events", "partial", reason)
         self._trust_again(rep)
         rep.partial_reason = reason
-        rep.children = {}
+        self._track_partial(rep, True)
         self.generation += 1
 
     def seen_down(self, key: ReplicaKey, detail: str) -> None:
@@ -1412,7 +1572,7 @@ class KVIndex:
     def _back_up(self, rep: _Replica) -> None:
         """A batch continues the stream of a replica seen down (see :meth:`seen_down`)."""
         self._trust_again(rep)
-        rep.children = {}
+        self._track_partial(rep, True)
         rep.partial_reason = (
             "it was seen down and its cache state was dropped; its stream went on without a "
             "restart, so blocks cached before are unknown until vLLM's answers show them or "

@@ -31,6 +31,7 @@ from router.core.hybrid import (
     blocks_behind_hit,
     find_longest_cache_hit,
     group_blind_hit,
+    implied_by_held,
 )
 from router.core.index import KVIndex, ReplicaKey
 
@@ -259,6 +260,58 @@ class Predictor:
             return []
         chain = hasher.lazy_chain(token_ids, keys)
         return [(g, chain.wire(i)) for g, i in fine if i < len(chain)]
+
+    def implied_keys(
+        self,
+        token_ids: Sequence[int],
+        keys: RequestKeys | None,
+        replicas: Sequence[ReplicaKey],
+    ) -> dict[ReplicaKey, list[tuple[int, object]]]:
+        """Per *partial* replica, the GPU ``(group, wire hash)`` keys of this request's chain
+        it holds by vLLM's cache structure (:func:`router.core.hybrid.implied_by_held`) but the
+        index lacks: blocks cached before attach whose descendants an event, a store's parent
+        or an answer showed. Sliding-window blocks removed since attach (``KVIndex.gone``)
+        are left out. The caller records them (``KVIndex.infer``), so the prediction that
+        follows sees them and their ``BlockRemoved`` retires them.
+
+        It reads the whole chain (hashing all of the prompt), so it is for partial replicas
+        only; nothing when the layout is unknown or its rule is not the plain one."""
+        index = self.index
+        layout, hasher = index.layout, self.hasher()
+        if layout is None or hasher is None or not replicas or not token_ids:
+            return {}
+        if layout.partial_hits or any(sg.spec.eagle for sg in layout.spec_groups):
+            return {}
+        chain = hasher.lazy_chain(token_ids, keys)
+        h, n = layout.hash_block_size, len(token_ids)
+        out: dict[ReplicaKey, list[tuple[int, object]]] = {}
+        for sg in layout.spec_groups:
+            spec = sg.spec
+            k, blocks = spec.block_size // h, n // spec.block_size
+            for g in sg.group_ids:
+                table = index.table("GPU", g)
+                wires = [chain.wire((j + 1) * k - 1) for j in range(blocks)]
+                masks = [table.get(w, 0) for w in wires]
+                for r in replicas:
+                    bit = index.slot_bit(r)
+                    held = [bool(m & bit) for m in masks]
+                    if spec.is_fa_type:
+                        implied = implied_by_held(spec, held)
+                    else:  # only a window vLLM held when its last block was stored
+                        gone, anchors = index.gone(r), index.anchors(r)
+                        if gone is None or not anchors:
+                            continue
+                        anchored = [
+                            h and (g, w) in anchors for h, w in zip(held, wires, strict=True)
+                        ]
+                        implied = [
+                            j
+                            for j in implied_by_held(spec, anchored)
+                            if not held[j] and (g, wires[j]) not in gone
+                        ]
+                    if implied:
+                        out.setdefault(r, []).extend((g, wires[j]) for j in implied)
+        return out
 
     def predict(
         self,

@@ -137,6 +137,8 @@ class _StateCollector(Collector):
                     "conformance_mismatches",
                     "inferred_blocks",
                     "closure_kept",
+                    "witnessed_parents",
+                    "implied_blocks",
                     "resets",
                     "late_attaches",
                 ):

@@ -485,6 +485,17 @@ class PoolState:
         keys, _ = body_request_keys(body, self.cfg.lora_adapters)
         return self.index.infer(key, self.predictor.keys_behind(token_ids, keys, cached_tokens))
 
+    def imply_partial(self, token_ids: list[int], body: dict[str, Any]) -> int:
+        """Before a decision: record what each partial replica holds of this request's
+        chain by vLLM's cache structure (Predictor.implied_keys), so a prefix cached before
+        attach is predicted once any of its descendants is known. Returns the keys added."""
+        partial = self.index.partial_replicas()
+        if not partial:
+            return 0
+        keys, _ = body_request_keys(body, self.cfg.lora_adapters)
+        implied = self.predictor.implied_keys(token_ids, keys, partial)
+        return sum(self.index.infer(r, ks, "implied_blocks") for r, ks in implied.items())
+
     def stream_stats(self) -> dict[str, StreamStats]:
         out: dict[str, StreamStats] = {}
         for rep in self.replicas.values():
@@ -705,6 +716,8 @@ class PoolState:
         reason: str | None = None,
     ) -> RouteChoice:
         pred = spec = insertion = new_homes = None
+        if token_ids and self.index.partial_replicas():
+            self.imply_partial(token_ids, body)
         if token_ids:
             overlay = self.speculative
             homes = self.homes

@@ -1,0 +1,149 @@
+"""What a *partial* replica holds without an event saying so (docs/live-fleet.md §1).
+
+After a late attach the index knows only what the ring and vLLM's answers showed. Two things
+vLLM's cache structure lets it add, checked here on real block hashes against hand-derived
+hits (full attention 16 + sliding window 48 with 16-token blocks: a hit needs every
+full-attention block and the 3 window blocks ending there):
+
+- a ``BlockStored``'s parent is a block the storing request held (a *witness*);
+- a held full-attention block implies its ancestors, and a sliding-window block that vLLM
+  stored (or named as a parent) implies its window, unless one of them was removed since.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from events.hashing import BlockHasher
+from events.layout import GroupKind, GroupSpec, ModelLayout
+from events.schema import BlockRemoved, BlockStored
+from router.core.hybrid import implied_by_held
+from router.core.index import KVIndex
+from router.core.predict import Predictor
+from tests.test_predict import stored as stored_in
+
+FA = GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16)
+SWA = GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=48)
+LAYOUT = ModelLayout(groups=(FA, SWA))
+A, B = ("A", 0), ("B", 0)
+SYSTEM = list(range(1000, 1096))  # 6 blocks
+
+
+def chain(tokens: list[int]) -> list[int]:
+    return BlockHasher(LAYOUT.hash, 16).wire_chain(tokens)
+
+
+def stored(group: int, hashes: list[int], parent: int | None) -> BlockStored:
+    return stored_in(group, hashes, (FA, SWA)[group], parent)
+
+
+def removed(group: int, hashes: list[int]) -> BlockRemoved:
+    return BlockRemoved(block_hashes=hashes, medium="GPU", group_idx=group)
+
+
+def fresh() -> KVIndex:
+    index = KVIndex(LAYOUT, verify_hashes=False)
+    index.add_replica("A")
+    index.add_replica("B")
+    index.attached_late(A, "test")
+    return index
+
+
+def hits(index: KVIndex, tokens: list[int]) -> dict[tuple[str, int], int]:
+    """Imply first (as the router does before each decision), then predict."""
+    predictor = Predictor(index)
+    for key, keys in predictor.implied_keys(tokens, None, index.partial_replicas()).items():
+        index.infer(key, keys, "implied_blocks")
+    return {h.replica: h.hit_tokens for h in predictor.predict(tokens).replicas}
+
+
+def served(index: KVIndex, tokens: list[int], hit_blocks: int) -> None:
+    """A's request over ``tokens`` hit ``hit_blocks`` blocks cached before attach and stored
+    the rest, as vLLM publishes it (one store per group, parent = the last hit block)."""
+    c = chain(tokens)
+    parent = c[hit_blocks - 1] if hit_blocks else None
+    index.apply_events(A, [stored(g, c[hit_blocks:], parent) for g in (0, 1)])
+
+
+def test_a_stores_parent_proves_the_prefix_cached_before_attach() -> None:
+    index = fresh()
+    first = SYSTEM + list(range(40))  # 8 blocks: 6 cached before attach, 2 stored now
+    served(index, first, 6)
+    (a,) = [s for s in index.stats() if s.replica == "A"]
+    assert a.witnessed_parents == 2  # block 5, in each group
+    c = chain(SYSTEM + list(range(500, 520)))
+    keys = Predictor(index).implied_keys(SYSTEM + list(range(500, 520)), None, [A])
+    # full attention: blocks 0-4 below the witnessed 5; window: 3 and 4 before the anchor 5
+    assert sorted(keys[A]) == sorted([(0, c[j]) for j in range(5)] + [(1, c[3]), (1, c[4])])
+    # vLLM's rule on what A holds: 6 full-attention blocks, window blocks 3-5: 96 tokens
+    assert hits(index, SYSTEM + list(range(500, 520))) == {A: 96, B: 0}
+    # the first request's own blocks: 8 blocks, window 5-7
+    assert hits(index, [*first, 7]) == {A: 128, B: 0}
+
+
+def test_a_window_block_removed_since_attach_is_not_implied() -> None:
+    index = fresh()
+    served(index, SYSTEM + list(range(40)), 6)
+    c = chain(SYSTEM)
+    index.apply_events(A, [removed(1, [c[4]])])  # a key the index never held: remembered
+    other = SYSTEM + list(range(500, 520))
+    keys = Predictor(index).implied_keys(other, None, [A])
+    assert (1, c[4]) not in keys[A] and (1, c[3]) in keys[A]
+    # the window at 96 lacks block 4; no 3 window blocks end lower: no hit
+    assert hits(index, other) == {A: 0, B: 0}
+    # stored again: known, and its window is held again
+    index.apply_events(A, [stored(1, [c[4]], c[3])])
+    assert hits(index, other)[A] == 96
+
+
+def test_an_implied_window_block_implies_nothing_itself() -> None:
+    """Block 4 of the window is held because the anchor 5 implied it: nothing says the
+    request that stored 6 and 7 held blocks 2 and 3's window, so a prompt sharing only 5
+    blocks gets no window (a hit of 80 would need block 2)."""
+    index = fresh()
+    served(index, SYSTEM + list(range(40)), 6)
+    assert hits(index, SYSTEM + list(range(500, 520)))[A] == 96  # implies 0-4, window 3, 4
+    shorter = SYSTEM[:80] + list(range(600, 640))
+    assert hits(index, shorter) == {A: 0, B: 0}
+
+
+def test_a_parent_removed_later_in_its_batch_is_not_held() -> None:
+    """Sliding window (full attention would keep it: a held child proves its parent)."""
+    index = fresh()
+    c = chain(SYSTEM + list(range(40)))
+    index.apply_events(A, [stored(1, c[6:], c[5]), removed(1, [c[5]])])
+    assert not index.copies(A, 1, c[5])
+    index.apply_events(A, [removed(1, [c[5]]), stored(1, c[6:], c[5])])
+    assert index.copies(A, 1, c[5]) == 1  # the store after the removal: proved again
+
+
+def test_an_exact_replica_takes_no_witness() -> None:
+    index = fresh()
+    c = chain(SYSTEM + list(range(40)))
+    index.apply_events(B, [stored(0, c[6:], c[5])])
+    assert index.trust(B) == "exact" and not index.copies(B, 0, c[5])
+    assert index.partial_replicas() == [A]
+
+
+@given(
+    held=st.lists(st.booleans(), max_size=24),
+    window=st.integers(min_value=1, max_value=80),
+    kind=st.sampled_from([GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA]),
+)
+def test_implied_by_held_matches_its_definition(held: list[bool], window: int, kind) -> None:
+    spec = GroupSpec(
+        kind=kind,
+        block_size=16,
+        sliding_window=window if kind == GroupKind.SLIDING_WINDOW else None,
+    )
+    got = implied_by_held(spec, held)
+    n = len(held)
+    if kind == GroupKind.FULL_ATTENTION:
+        want = [j for j in range(n) if not held[j] and any(held[j + 1 :])]
+    elif kind == GroupKind.SLIDING_WINDOW:
+        need = max(1, -(-(window - 1) // 16))  # blocks a hit ending at a held block needs
+        want = [j for j in range(n) if not held[j] and any(held[j + 1 : j + need])]
+    else:
+        want = []
+    assert got == want
