@@ -449,8 +449,9 @@ class KVIndex:
     """The cache state of one pool (one served model) across its replicas and DP ranks.
 
     ``layout`` may declare the groups; with ``layout.groups == ()`` they are learned from the
-    first events (kind, window, full-block size per ``group_idx``) and the rest (hash
-    settings, retention, prefix-match unit) is taken from ``layout``.
+    events (kind, window, full-block size per ``group_idx``): each replica's own view, and
+    the pool's layout by a quorum over those views (router.core.layout_quorum, _settle); the
+    rest (hash settings, retention, prefix-match unit) is taken from ``layout``.
 
     ``verify_hashes`` turns on the live conformance check (ARCHITECTURE decision 1): root
     full-attention stores are re-hashed from their token ids with :meth:`hasher` and compared.
