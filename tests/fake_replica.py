@@ -54,6 +54,27 @@ MODEL = "fake-model"
 LOOPBACK = "tcp://127.0.0.1:*"
 
 
+def fa_swa_events(
+    wire: list[int], ids: list[int], block: int, swa_tail: int, window: int = 48
+) -> list[BlockStored]:
+    """The stores vLLM publishes for one prompt's first prefill on an FA + SWA replica with
+    ``block``-token blocks: every full block in group 0, the last ``swa_tail`` in group 1;
+    ``wire`` is the prompt's chain hashed at ``block`` tokens."""
+    n = len(wire)
+    common = dict(parent_block_hash=None, lora_id=None, medium="GPU", lora_name=None)
+    return [
+        BlockStored(
+            block_hashes=wire, token_ids=ids[: n * block], block_size=block, group_idx=0,
+            kv_cache_spec_kind="full_attention", **common,
+        ),
+        BlockStored(
+            block_hashes=wire[max(0, n - swa_tail) :], token_ids=ids[: n * block],
+            block_size=block, group_idx=1, kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=window, **common,
+        ),
+    ]  # fmt: skip
+
+
 class FakeReplica:
     def __init__(self, name: str, *, model: str = MODEL) -> None:
         self.name = name
@@ -83,20 +104,7 @@ class FakeReplica:
     # ---------------------------------------------------------------- cache
 
     def _events_for(self, ids: list[int]) -> list[Any]:
-        wire = self.hasher.wire_chain(ids)
-        n = len(wire)
-        common = dict(parent_block_hash=None, lora_id=None, medium="GPU", lora_name=None)
-        return [
-            BlockStored(
-                block_hashes=wire, token_ids=ids[: n * BLOCK], block_size=BLOCK, group_idx=0,
-                kv_cache_spec_kind="full_attention", **common,
-            ),
-            BlockStored(
-                block_hashes=wire[max(0, n - SWA_TAIL) :], token_ids=ids[: n * BLOCK],
-                block_size=BLOCK, group_idx=1, kv_cache_spec_kind="sliding_window",
-                kv_cache_spec_sliding_window=48, **common,
-            ),
-        ]  # fmt: skip
+        return fa_swa_events(self.hasher.wire_chain(ids), ids, BLOCK, SWA_TAIL)
 
     def own_hit(self, ids: list[int]) -> int:
         """The prefix-cache hit of ``ids`` on what this fake holds now.

@@ -178,7 +178,9 @@ def test_one_replicas_stray_group_does_not_unresolve_the_learned_layout() -> Non
     assert present(index, B, 0, 200) and present(index, B, 3, 9)
 
 
-def test_a_replica_contradicting_the_learned_layout_is_quarantined_alone() -> None:
+def test_a_replica_contradicting_the_learned_layout_is_held_alone() -> None:
+    """Two views, one each: contested, the other replica's layout and predictions stay; a
+    third replica agreeing with it makes a majority, and the odd one is outvoted."""
     index = make(layout=LEARN)
     index.apply_events(A, hybrid_batch(100))
     before = index.layout
@@ -186,9 +188,15 @@ def test_a_replica_contradicting_the_learned_layout_is_quarantined_alone() -> No
         B, [stored([1], group=1, kind="sliding_window", kv_cache_spec_sliding_window=8)]
     )
     assert not trusted(index, B) and "sliding_window" in (index.untrusted_reason(B) or "")
-    assert errors(index, B) == {"layout_conflict": 1}
+    assert "layout contested" in (index.untrusted_reason(B) or "")
+    assert errors(index, B) == {"layout_contested": 1}
     index.apply_events(B, [stored([2], block_size=32)])  # a bigger block than A showed in full
     assert index.layout is before and trusted(index, A)
+    C = index.add_replica("C")
+    index.apply_events(C, hybrid_batch(300))
+    assert index.layout is before and trusted(index, A) and trusted(index, C)
+    assert "layout outvoted" in (index.untrusted_reason(B) or "")
+    assert errors(index, B) == {"layout_contested": 1, "layout_conflict": 1}
 
 
 def test_the_source_replica_extends_the_learned_layout() -> None:
@@ -219,16 +227,18 @@ def test_unreadable_token_ids_in_a_root_store_are_a_bad_frame_not_bad_settings()
 def test_a_confirmed_layout_does_not_grow_by_the_source_alone() -> None:
     """The source replica (the first to publish) going bad: once another replica's view has
     confirmed the learned layout, one stray group from the source used to make the pool three
-    groups, and every other replica then predicted 0 while still trusted."""
+    groups, and every other replica then predicted 0 while still trusted. Now its view is one
+    of two (contested): the layout stays, and the source alone stops predicting."""
     index = make(layout=LEARN)
     index.apply_events(A, hybrid_batch(100))  # A is the source
     before = index.layout
     index.apply_events(B, hybrid_batch(200))  # B confirms
-    assert index.layout is before
+    assert index.layout is before and index.layout_state().status == "confirmed"
     index.apply_events(A, [stored([7], group=2)])
     assert index.layout is before, "the confirmed layout stays"
     assert not trusted(index, A) and "group count" in (index.untrusted_reason(A) or "")
-    assert errors(index, A) == {"layout_conflict": 1}
+    assert errors(index, A) == {"layout_contested": 1}
+    assert index.layout_state().status == "contested"
     assert trusted(index, B) and present(index, B, 0, 200)
 
 

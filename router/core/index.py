@@ -82,6 +82,15 @@ from events.schema import (
     LazyTokensBlockStored,
     UnknownEvent,
 )
+from router.core.layout_quorum import (
+    LayoutState,
+    LayoutViewState,
+    QuorumVerdict,
+    View,
+    complete_view,
+    decide,
+    describe,
+)
 from router.core.shared_tier import SharedTier
 from router.core.snapshot import ReplicaSnapshot
 
@@ -286,6 +295,12 @@ class ReplicaStats(msgspec.Struct):
     implied_blocks: int = 0
     """Keys a partial replica holds by vLLM's cache structure, implied by held keys when a
     request's prefix named them (Predictor.implied_keys, KVIndex.infer)."""
+    layout_view: str | None = None
+    """The replica's own view of the learned layout (router.core.layout_quorum.describe);
+    None with a declared layout or before its first store."""
+    layout_hold: str | None = None
+    """``outvoted`` or ``contested`` while its view keeps it from predicting
+    (router.core.layout_quorum), else None."""
 
 
 @dataclass(slots=True)
@@ -318,6 +333,11 @@ class _Replica:
     """Physical copies beyond the first, likewise."""
     learned: dict[int, GroupSpec] = field(default_factory=dict)
     """This replica's own view of the groups (learned mode): kind, window, largest block."""
+    hold: str | None = None
+    """Why its view keeps it from predicting (learned mode: outvoted or contested, see
+    router.core.layout_quorum), recomputed by KVIndex._settle; None when it may predict."""
+    hold_kind: str | None = None
+    """``outvoted`` or ``contested`` with :attr:`hold`."""
     ingest_errors: dict[str, int] = field(default_factory=dict)
     warned: dict[str, float] = field(default_factory=dict)
     """Last warning time per reason label (the rate limit of IndexLimits.warn_interval_s)."""
@@ -369,8 +389,13 @@ class _Replica:
             self.mask_low = max(_SMALL_INT, digit_start)
 
     @property
+    def routed(self) -> bool:
+        """Predicted on: trusted, and not held back by the layout quorum."""
+        return self.trusted and self.hold is None
+
+    @property
     def trust(self) -> Trust:
-        if not self.trusted:
+        if not self.trusted or self.hold is not None:
             return "untrusted"
         return "partial" if self.partial_reason is not None else "exact"
 
@@ -448,8 +473,9 @@ class KVIndex:
     """The cache state of one pool (one served model) across its replicas and DP ranks.
 
     ``layout`` may declare the groups; with ``layout.groups == ()`` they are learned from the
-    first events (kind, window, full-block size per ``group_idx``) and the rest (hash
-    settings, retention, prefix-match unit) is taken from ``layout``.
+    events (kind, window, full-block size per ``group_idx``): each replica's own view, and
+    the pool's layout by a quorum over those views (router.core.layout_quorum, _settle); the
+    rest (hash settings, retention, prefix-match unit) is taken from ``layout``.
 
     ``verify_hashes`` turns on the live conformance check (ARCHITECTURE decision 1): root
     full-attention stores are re-hashed from their token ids with :meth:`hasher` and compared.
@@ -492,6 +518,7 @@ class KVIndex:
         self.declared = layout
         self.limits = limits or IndexLimits()
         self.conformance = conformance
+        self._custom_conformance = conformance is not None
         if conformance is None and verify_hashes:
             self.conformance = self._rehash_root
         self._memo_entries = hash_memo_entries
@@ -509,8 +536,17 @@ class KVIndex:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._learned: dict[int, GroupSpec] = {}
-        """The pool's learned groups, adopted from one replica's complete view (_agree)."""
-        self._layout_source: int | None = None
+        """The pool's learned groups: the view the layout quorum adopted (_settle)."""
+        self._verdict: QuorumVerdict[ReplicaKey] | None = None
+        """The last outcome of the layout quorum (router.core.layout_quorum)."""
+        self._views_dirty = False
+        """A replica's view changed in the batch being applied: settle after it."""
+        self._in_batch = False
+        self._view_layouts: dict[View, ResolvedLayout | None] = {}
+        """Each view seen, resolved (None: not a layout vLLM runs); bounded."""
+        self._view_hashers: dict[tuple, BlockHasher] = {}
+        """Hashers (no memo) of the views whose hash settings differ from the pool's, for
+        the conformance check of a replica against its own view."""
         self._resolved: ResolvedLayout | None = resolve(layout) if layout.groups else None
         self.entries = 0
         self.extra_entries = 0
@@ -538,6 +574,7 @@ class KVIndex:
                 self._next_slot += 1
             bit = 1 << slot
             self._replicas[key] = _Replica(name, dp_rank, slot, self._bit_objs.setdefault(bit, bit))
+            self._settle()  # one member more: a lone replica's layout becomes provisional
         return key
 
     def remove_replica(self, name: str, dp_rank: int | None = None) -> None:
@@ -550,8 +587,7 @@ class KVIndex:
             self._partial.pop(key, None)
             self._wipe(rep)
             self._free_slots.append(rep.slot)
-            if self._layout_source == rep.slot:
-                self._layout_source = None  # the slot may be reused by another replica
+        self._settle()  # its vote goes: the others' may now decide
 
     def replicas(self) -> list[ReplicaKey]:
         return list(self._replicas)
@@ -612,23 +648,37 @@ class KVIndex:
         )
 
     def learned_layout(self) -> tuple[list[GroupSpec], str | None]:
-        """The pool's learned groups and the ``name/dpN`` of the replica they follow."""
-        source = next(
-            (
-                f"{r.name}/dp{r.dp_rank}"
-                for r in self._replicas.values()
-                if r.slot == self._layout_source
-            ),
-            None,
+        """The pool's learned groups and the ``name/dpN`` of a replica holding that view."""
+        groups = [self._learned[g] for g in sorted(self._learned)]
+        v = self._verdict
+        holders = v.holders.get(tuple(groups), ()) if v is not None else ()
+        return groups, next((f"{k[0]}/dp{k[1]}" for k in holders), None)
+
+    def layout_state(self) -> LayoutState:
+        """Where the pool's layout stands: declared, or the layout quorum's status, views and
+        the replicas each holds, and who is held back (router.core.layout_quorum)."""
+        if self.declared.groups:
+            return LayoutState("declared", describe(tuple(self.declared.groups)))
+        v = self._verdict
+        if v is None:
+            return LayoutState("unknown", None)
+        return LayoutState(
+            v.status,
+            describe(v.layout) if v.layout is not None else None,
+            [
+                LayoutViewState(describe(view), [f"{k[0]}/dp{k[1]}" for k in ks], view == v.layout)
+                for view, ks in v.holders.items()
+            ],
+            {f"{k[0]}/dp{k[1]}": kind for k, (kind, _) in v.held.items()},
         )
-        return [self._learned[g] for g in sorted(self._learned)], source
 
     def import_replica(
         self, snap: ReplicaSnapshot, *, learned: list[GroupSpec] | None = None, source: bool = False
     ) -> ReplicaKey:
-        """Load one replica's state from a snapshot into an empty slot. ``learned`` (with
-        ``source``: this replica is the one the pool's learned layout follows) restores the
-        pool's layout when it is learned from events and not known yet."""
+        """Load one replica's state from a snapshot into an empty slot. ``learned`` restores
+        the pool's layout when it is learned from events and not known yet; the replicas'
+        own views (in ``snap``) then vote on it as live ones do (``source`` is kept for
+        snapshots of older routers and not needed)."""
         key = self.add_replica(snap.name, snap.dp_rank)
         rep = self._replicas[key]
         if rep.blocks or rep.extra:
@@ -643,8 +693,6 @@ class KVIndex:
                     msgspec.structs.replace(self.declared, groups=tuple(learned))
                 )
                 self._learned = dict(enumerate(learned))
-                if source:
-                    self._layout_source = rep.slot
             except LayoutError as exc:
                 log.warning("snapshot layout of pool %r not usable: %s", self.pool, exc)
         for tier_name, groups in snap.tiers.items():
@@ -662,6 +710,7 @@ class KVIndex:
                         extra[(rep.slot, h)] = copies
                         self.extra_entries += copies - 1
                         rep.extra += copies - 1
+        self._settle()
         self.generation += 1
         return key
 
@@ -675,8 +724,9 @@ class KVIndex:
         return self._replica(key).bit
 
     def is_trusted(self, key: ReplicaKey) -> bool:
-        """Routed on its state: exact or partial (a partial state predicts a lower bound)."""
-        return self._replica(key).trusted
+        """Routed on its state: exact or partial (a partial state predicts a lower bound),
+        and not held back by the layout quorum (outvoted or contested)."""
+        return self._replica(key).routed
 
     def trust(self, key: ReplicaKey) -> Trust:
         """``exact``: every event since the replica's start applied; ``partial``: attached
@@ -689,7 +739,8 @@ class KVIndex:
         return self._replica(key).partial_reason
 
     def untrusted_reason(self, key: ReplicaKey) -> str | None:
-        return self._replica(key).untrusted_reason
+        rep = self._replica(key)
+        return rep.untrusted_reason or rep.hold
 
     # ------------------------------------------------------------------ layout
 
@@ -712,16 +763,62 @@ class KVIndex:
         return self._hasher
 
     def _rehash_root(
-        self, token_ids: Sequence[int], block_size: int, cache_salt: str | None
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None,
+        layout: ResolvedLayout | None = None,
     ) -> list | None:
-        hasher = self.hasher()
+        """The wire hashes of a root store under ``layout`` (the pool's by default): what
+        the conformance check expects; None while that layout is unknown."""
+        hasher = self.hasher() if layout is None else self._hasher_of(layout)
         if hasher is None:
             return None
         keys = RequestKeys(cache_salt=cache_salt) if cache_salt is not None else None
         return expected_stored_hashes(hasher, token_ids, block_size, keys)
 
+    def _hasher_of(self, layout: ResolvedLayout) -> BlockHasher:
+        """A hasher for ``layout``: the pool's when they hash alike, else one without memo
+        (it only re-hashes sampled root stores), kept per hash settings."""
+        want = (layout.layout.hash, layout.hash_block_size)
+        if self._resolved is not None and want == (
+            self._resolved.layout.hash,
+            self._resolved.hash_block_size,
+        ):
+            hasher = self.hasher()
+            assert hasher is not None  # the pool's layout is known here
+            return hasher
+        hasher = self._view_hashers.get(want)
+        if hasher is None:
+            if len(self._view_hashers) >= 16:
+                self._view_hashers.clear()
+            hasher = self._view_hashers[want] = BlockHasher(*want, memo_entries=0)
+        return hasher
+
+    def _view_layout(self, view: View) -> ResolvedLayout | None:
+        """``view`` resolved with the pool's declared settings (hash, retention, ...), or
+        None when vLLM would refuse it; memoized (views are few, but a hostile stream could
+        show many, so the memo is bounded)."""
+        if view in self._view_layouts:
+            return self._view_layouts[view]
+        try:
+            out: ResolvedLayout | None = resolve(
+                msgspec.structs.replace(self.declared, groups=view)
+            )
+        except LayoutError as exc:
+            log.warning(
+                "pool %r: the view %s is not a usable layout: %s", self.pool, describe(view), exc
+            )
+            out = None
+        if len(self._view_layouts) >= 256:
+            keep = {k: v for k, v in self._view_layouts.items() if v is self._resolved}
+            self._view_layouts = keep
+        self._view_layouts[view] = out
+        return out
+
     def _learn(self, rep: _Replica, ev: BlockStored, g: int) -> str | None:
-        """Check a store's group metadata against the pool; returns a conflict or None."""
+        """Check a store's group metadata against the declared layout, or learn it into the
+        replica's own view; returns a conflict or None."""
 
         def where() -> str:  # built only when there is something to report (hot path)
             return f"pool {self.pool!r} replica {rep.name}/dp{rep.dp_rank} group {g}"
@@ -756,107 +853,87 @@ class KVIndex:
                 f"{where()}: chunked_local_attention needs attention_chunk_size, which events "
                 f"do not carry: declare the pool's groups in the config"
             )
-        have = self._learned.get(g)
-        if have is not None and (have.kind != kind or have.sliding_window != window):
-            if have.kind != kind:
-                return str(LayoutConflict("kv_cache_spec_kind", have.kind.value, kind, where()))
-            return str(LayoutConflict("sliding_window", have.sliding_window, window, where()))
         own = rep.learned
         known = own.get(g)
-        if known is not None and known.kind != kind:
+        if known is not None and known.kind != kind:  # the replica contradicts itself
             return str(LayoutConflict("kv_cache_spec_kind", known.kind.value, kind.value, where()))
         if known is not None and known.sliding_window != window:
             return str(LayoutConflict("sliding_window", known.sliding_window, window, where()))
         if known is None or ev.block_size > known.block_size:
             own[g] = GroupSpec(kind=kind, block_size=ev.block_size, sliding_window=window)
-            return self._agree(rep, where())
-        return None
-
-    def _agree(self, rep: _Replica, where: str) -> str | None:
-        """Fit one replica's newly learned view into the pool's layout (learned mode only).
-
-        The pool's layout follows one *source*: the first replica whose view (groups ``0..n-1``,
-        no gap) resolves; that replica's later groups and larger blocks extend it (a first
-        store can be partial, a group can appear later). Any other replica may run ahead of
-        the pool (its extra groups are held, never adopted) but must not contradict it: the
-        same kinds and windows, no block larger than the pool's. A contradiction is returned
-        as a conflict (the caller quarantines that replica) and the pool is left as it was, so
-        one replica's events never make the others predict 0.
-        """
+            self._views_dirty = True  # the layout quorum is settled after the batch
         if not rep.trusted and not rep.recoverable:
-            return None  # quarantined for its settings: it has no say in the pool's layout
-        own, pool = rep.learned, self._learned
-        for g, spec in own.items():
-            have = pool.get(g)
-            if have is None:
-                continue
-            if spec.kind != have.kind:
-                return str(LayoutConflict("kv_cache_spec_kind", have.kind.value, spec.kind, where))
-            if spec.sliding_window != have.sliding_window:
-                return str(
-                    LayoutConflict(
-                        "sliding_window", have.sliding_window, spec.sliding_window, where
+            # quarantined for its settings, it has no vote; what it stores against the
+            # pool's layout is still counted (kvrouter_ingest_errors_total{layout_conflict})
+            have = self._learned.get(g)
+            if have is not None:
+                for name, want, got in (
+                    ("kv_cache_spec_kind", have.kind.value, kind.value),
+                    ("sliding_window", have.sliding_window, window),
+                ):
+                    if want != got:
+                        return str(LayoutConflict(name, want, got, where()))
+                if ev.block_size > have.block_size:
+                    return str(
+                        LayoutConflict("block_size", have.block_size, ev.block_size, where())
                     )
-                )
-            if spec.block_size > have.block_size and not self._may_grow(rep, g, have):
-                return str(LayoutConflict("block_size", have.block_size, spec.block_size, where))
-        source = self._layout_source
-        if source is not None and source != rep.slot:
-            return None  # only the source moves the pool's layout
-        n = max(own) + 1
-        if len(own) != n or n < len(pool):
-            return None  # a gap in this view: wait for its missing groups
-        if pool and n > len(pool):
-            confirmed_by = self._confirmer(rep)
-            if confirmed_by is not None:
-                # vLLM publishes every group with a replica's first stores, so a layout another
-                # replica has confirmed does not legitimately grow later: one replica (even the
-                # source) cannot make every other one predict 0 by adding a group
-                return str(
-                    LayoutConflict(
-                        "group count (the layout is confirmed by "
-                        f"{confirmed_by.name}/dp{confirmed_by.dp_rank})",
-                        len(pool),
-                        n,
-                        where,
-                    )
-                )
-        layout = msgspec.structs.replace(self.declared, groups=tuple(own[i] for i in range(n)))
-        try:
-            resolved = resolve(layout)
-        except LayoutError as exc:
-            log.warning("%s: learned layout not usable yet: %s", where, exc)
-            return None
-        self._learned = dict(own)
-        self._resolved = resolved
-        self._layout_source = rep.slot
         return None
 
-    def _confirmer(self, rep: _Replica) -> _Replica | None:
-        """Another replica whose own view holds every group of the pool's layout, alike."""
-        pool = self._learned
-        for o in self._replicas.values():
-            if o is rep or (not o.trusted and not o.recoverable):
-                continue  # a replica quarantined for its settings confirms nothing
-            view = o.learned
-            if all(
-                (s := view.get(g)) is not None
-                and s.kind == have.kind
-                and s.sliding_window == have.sliding_window
-                for g, have in pool.items()
-            ):
-                return o
-        return None
-
-    def _may_grow(self, rep: _Replica, g: int, have: GroupSpec) -> bool:
-        """A learned block size grows only when it was learned from ``rep`` itself (its first
-        store was partial) and no other replica has stored a full block of the old size."""
-        if rep.slot != self._layout_source:
-            return False
-        return not any(
-            o is not rep and (s := o.learned.get(g)) is not None and s.block_size == have.block_size
-            for o in self._replicas.values()
+    def _settle(self) -> None:
+        """Re-run the layout quorum (router.core.layout_quorum.decide) over the replicas'
+        views: adopt its layout and hold back (predicting no hit, with the reason) the
+        replicas it outvotes or finds contested. Called after a batch that changed a view,
+        and when a member comes, goes, restarts or is quarantined for its settings. Stored
+        keys are not touched: a wire hash is the chain hash its replica computed under its
+        own layout, so a held replica's keys never match the pool's lookups, and its bit is
+        left out of predictions while it is held; one that rejoins (its view grew into the
+        layout, or it restarted with the right flags) predicts from its keys again."""
+        self._views_dirty = False
+        if self.declared.groups:
+            return
+        if self._in_batch:
+            self._views_dirty = True
+            return
+        views = {
+            key: rep.learned
+            for key, rep in self._replicas.items()
+            if rep.learned and (rep.trusted or rep.recoverable)  # no say when quarantined
+        }
+        current = tuple(self._learned[g] for g in sorted(self._learned)) or None
+        verdict = decide(
+            views,
+            current,
+            len(self._replicas),
+            lambda view: self._view_layout(view) is not None,
+            name=lambda k: f"{k[0]}/dp{k[1]}",
         )
+        if verdict.layout != current:
+            if verdict.layout is None:
+                self._learned, self._resolved = {}, None
+            else:
+                self._learned = dict(enumerate(verdict.layout))
+                self._resolved = self._view_layout(verdict.layout)
+            if current is not None:
+                log.warning(
+                    "pool %r: learned layout %s replaced by %s (%s)",
+                    self.pool, describe(current), describe(verdict.layout), verdict.status,
+                )  # fmt: skip
+            self.generation += 1
+        for key, rep in self._replicas.items():
+            kind, reason = verdict.held.get(key, (None, None))
+            if kind != rep.hold_kind:
+                if kind == "outvoted":
+                    self._count(rep, "layout_conflict", "quarantined", reason or "")
+                elif kind == "contested":
+                    self._count(rep, "layout_contested", "predicts no hit", reason or "")
+                else:
+                    log.info(
+                        "pool %r replica %s/dp%d: its layout view agrees with the pool's again",
+                        self.pool, rep.name, rep.dp_rank,
+                    )  # fmt: skip
+                self.generation += 1
+            rep.hold_kind, rep.hold = kind, reason
+        self._verdict = verdict
 
     # ------------------------------------------------------------------ ingest
 
@@ -890,6 +967,11 @@ class KVIndex:
         rm_group: int | None = None
         rm_table: dict = {}
         rm_extra: dict = {}
+        declared = bool(self.declared.groups)
+        roots: list[tuple[int, BlockStored]] = []
+        """Learned mode: root stores to re-hash against the replica's own view once the
+        batch has shown all of it (a view is complete only after its batch)."""
+        self._in_batch = True
         try:
             for ev in events:
                 cls = type(ev)
@@ -934,7 +1016,8 @@ class KVIndex:
                                 self._distrust(
                                     rep, problem, recoverable=False, label="layout_conflict"
                                 )
-                            spec = self._group_spec(g)
+                            # learned: partial against the replica's own view, not the pool's
+                            spec = self._group_spec(g) if declared else rep.learned.get(g)
                             if spec is not None and ev.block_size < spec.block_size:
                                 counters["partial_stores"] += 1
                             elif (
@@ -944,7 +1027,10 @@ class KVIndex:
                                 and spec.is_fa_type
                                 and ev.block_hashes
                             ):
-                                self._check_conformance(rep, ev, spec)
+                                if declared:
+                                    self._check_conformance(rep, ev, spec, None)
+                                else:
+                                    roots.append((g, ev))
                     table, extra = tiers[tier].group(g)
                     for h in ev.block_hashes:
                         m = table.get(h, 0)
@@ -1055,6 +1141,11 @@ class KVIndex:
             counters["removed_blocks"] += removed
             counters["unknown_removals"] += unknown
             self.generation += 1
+            self._in_batch = False
+        if roots:
+            self._check_own_view(rep, roots)
+        if self._views_dirty:
+            self._settle()
         if self.nbytes() > self.limits.max_bytes:
             while self.entries and self.nbytes() > 0.9 * self.limits.max_bytes:
                 self._reclaim()
@@ -1291,7 +1382,27 @@ class KVIndex:
             return self.declared.groups[g] if g < len(self.declared.groups) else None
         return self._learned.get(g)
 
-    def _check_conformance(self, rep: _Replica, ev: BlockStored, spec: GroupSpec) -> None:
+    def _check_own_view(self, rep: _Replica, roots: list[tuple[int, BlockStored]]) -> None:
+        """The conformance check of a batch's root full-attention stores against the
+        replica's *own* view (learned mode), so that its hashes are judged by the layout it
+        runs, not by a pool layout it may rightly disagree with (the layout quorum decides
+        that); a hash mismatch then means wrong hash settings, whichever layout wins."""
+        view = complete_view(rep.learned)
+        layout = self._view_layout(view) if view is not None else None
+        if layout is None:  # a gap, or no layout vLLM runs: nothing to re-hash with yet
+            rep.counters["conformance_skipped"] += len(roots)
+            return
+        for g, ev in roots:
+            spec = rep.learned.get(g)
+            if spec is None or not spec.is_fa_type or ev.block_size < spec.block_size:
+                continue  # a partial entry after all: its group showed a bigger block later
+            self._check_conformance(rep, ev, spec, layout)
+
+    def _check_conformance(
+        self, rep: _Replica, ev: BlockStored, spec: GroupSpec, layout: ResolvedLayout | None
+    ) -> None:
+        """Re-hash a root full-attention store (sampled) under ``layout`` (None: the pool's)
+        and distrust the replica for its settings when the hashes differ."""
         salt = _salt_of(ev)
         if salt is False:  # LoRA or multimodal keys: the event lacks what the hash needs
             rep.counters["conformance_skipped"] += 1
@@ -1309,7 +1420,10 @@ class KVIndex:
             self._refuse(rep, "token_ids", f"a root store's token ids could not be read ({exc})")
             return
         try:
-            expected = self.conformance(tokens, ev.block_size, salt)
+            if self._custom_conformance:
+                expected = self.conformance(tokens, ev.block_size, salt)  # type: ignore[misc]
+            else:
+                expected = self._rehash_root(tokens, ev.block_size, salt, layout)
         except ValueError as exc:  # the hash settings themselves are unusable
             rep.counters["conformance_mismatches"] += 1
             self._distrust(
@@ -1351,43 +1465,9 @@ class KVIndex:
             rep.down = label == "replica_down"
         rep.trusted = False
         self._track_partial(rep, False)
-        if not recoverable and rep.slot == self._layout_source and not self.declared.groups:
-            self._relearn(rep)
+        if not recoverable:
+            self._settle()  # quarantined for its settings: its vote goes
         self.generation += 1
-
-    def _relearn(self, bad: _Replica) -> None:
-        """The replica the pool's learned layout follows was found wrong in its settings (its
-        hashes or its layout): it has no say any more. The pool's layout is taken from
-        another trusted replica whose own view resolves, or learned anew from the next
-        events; until then every replica predicts no hit (never a hit from a wrong layout).
-        Without this, a hostile or misconfigured replica that spoke first would have the
-        good replicas quarantined as the ones that disagree."""
-        log.warning(
-            "pool %r: replica %s/dp%d, which the learned layout followed, is untrusted for its "
-            "settings; the layout is learned again from the other replicas",
-            self.pool, bad.name, bad.dp_rank,
-        )  # fmt: skip
-        old_learned, old_resolved = self._learned, self._resolved
-        self._learned, self._resolved, self._layout_source = {}, None, None
-        for o in self._replicas.values():
-            if o is bad or not o.trusted or not o.learned:
-                continue
-            n = max(o.learned) + 1
-            if len(o.learned) != n:
-                continue
-            if o.learned == old_learned:  # it agrees with the layout in use: keep it as is
-                self._learned, self._resolved = old_learned, old_resolved
-                self._layout_source = o.slot
-                break
-            try:
-                layout = msgspec.structs.replace(
-                    self.declared, groups=tuple(o.learned[i] for i in range(n))
-                )
-                self._resolved = resolve(layout)
-            except LayoutError:
-                continue
-            self._learned, self._layout_source = dict(o.learned), o.slot
-            break
 
     def _count(self, rep: _Replica, label: str, became: str, reason: str) -> None:
         """Count one ingest problem under ``label``; log it at most once per (replica,
@@ -1412,6 +1492,7 @@ class KVIndex:
         rep.counters["resets"] += 1
         rep.group_aware = None
         rep.learned = {}  # it may come back with other flags: its view is learned anew
+        self._settle()
 
     def _known_empty(self, rep: _Replica) -> None:
         """An empty cache (a clear, or a restart) is a fully known state (§5.4): the replica's
@@ -1783,13 +1864,15 @@ class KVIndex:
                 ReplicaStats(
                     replica=rep.name,
                     dp_rank=rep.dp_rank,
-                    trusted=rep.trusted,
-                    untrusted_reason=rep.untrusted_reason,
+                    trusted=rep.routed,
+                    untrusted_reason=rep.untrusted_reason or rep.hold,
                     blocks=rep.blocks,
                     extra_copies=rep.extra,
                     group_aware=rep.group_aware,
                     ingest_errors=dict(rep.ingest_errors),
                     trust=rep.trust,
+                    layout_view=describe(rep.learned) if rep.learned else None,
+                    layout_hold=rep.hold_kind,
                     partial_reason=rep.partial_reason,
                     **rep.counters,
                 )

@@ -363,10 +363,25 @@ def admin_router(
                     "groups": (
                         [msgspec.to_builtins(g) for g in layout.layout.groups] if layout else []
                     ),
+                    "layout": msgspec.to_builtins(idx.layout_state()),
                     "replicas": per,
                 }
             )
         return {"pools": out}
+
+    @r.get(
+        "/layout",
+        summary="Per pool: the layout in use and, if learned, the quorum over the replicas' views",
+    )
+    async def layout() -> dict[str, Any]:
+        # status: declared, unknown, learned, provisional, confirmed or contested; each view
+        # with the replicas holding it; who is held back (router.core.layout_quorum)
+        return {
+            "pools": [
+                {"pool": p.name, **msgspec.to_builtins(p.index.layout_state())}
+                for p in state.pools.values()
+            ]
+        }
 
     @r.get("/events", summary="Per event stream: sequence, lag, gaps, replays, trust")
     async def events() -> dict[str, Any]:

@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.core.layout_quorum import LAYOUT_STATUSES
+
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -98,6 +100,24 @@ class _StateCollector(Collector):
             "Refused events and ingest problems that made a replica untrusted, by reason",
             labels=[*rank, "reason"],
         )
+        layout_status = GaugeMetricFamily(
+            "kvrouter_pool_layout_status",
+            "1 for the state of the pool's layout: declared, or when learned from events"
+            " unknown, learned (one replica), provisional (one has spoken), confirmed (a strict"
+            " majority of at least two agree) or contested (router.core.layout_quorum)",
+            labels=["pool", "status"],
+        )
+        layout_views = GaugeMetricFamily(
+            "kvrouter_pool_layout_view_replicas",
+            "Replicas holding each view of a learned layout; adopted=1 for the pool's",
+            labels=["pool", "view", "adopted"],
+        )
+        layout_held = GaugeMetricFamily(
+            "kvrouter_replica_layout_held",
+            "1 while the replica's view of the learned layout keeps it from predicting:"
+            " outvoted (quarantined) or contested",
+            labels=[*rank, "state"],
+        )
         # Replica health (router.core.health), per replica *name*: probes and ejections are
         # per HTTP server, whatever its DP ranks.
         health = [
@@ -119,6 +139,15 @@ class _StateCollector(Collector):
             nbytes.add_metric([name], pool["bytes"])
             for (rname, rk), n in (pool.get("prefix_homes") or {}).items():
                 homes.add_metric([name, rname, str(rk)], n)
+            lay = pool.get("layout")
+            if lay is not None:
+                for st in LAYOUT_STATUSES:
+                    layout_status.add_metric([name, st], 1.0 if lay.status == st else 0.0)
+                for v in lay.views:
+                    layout_views.add_metric([name, v.view, str(int(v.adopted))], len(v.replicas))
+                for who, st in lay.held.items():
+                    rname, _, dp = who.rpartition("/dp")
+                    layout_held.add_metric([name, rname, dp, st], 1.0)
             memo = pool.get("hash_memo")
             if memo is not None:
                 memo_steps.add_metric([name], memo["steps"])
@@ -164,7 +193,7 @@ class _StateCollector(Collector):
                     gaps.add_metric([*rep, kind], getattr(st, kind))
         yield from (entries, nbytes, memo_steps, memo_capacity, homes)
         yield from (events, outcomes, lag, gaps)
-        yield from (trusted, trust_state, ingest)
+        yield from (trusted, trust_state, ingest, layout_status, layout_views, layout_held)
         yield from (family for _, family in health)
 
 

@@ -850,6 +850,7 @@ class RouterState:
                 "hash_memo": (h.memo_stats if (h := p.index.hasher()) is not None else None),
                 "prefix_homes": p.homes.homes_by_replica() if p.homes is not None else None,
                 "replica_stats": p.index.stats(),
+                "layout": p.index.layout_state(),
                 "stream_stats": p.stream_stats(),
                 "stream_keys": {s: k for r in p.replicas.values() for s, k in r.streams.items()},
                 "health": [
