@@ -684,6 +684,15 @@ class LazyChain:
         The cheap way to walk a hit left to right: a generator step costs less than a
         :meth:`wire` call, and hashing still happens only as far as the walk goes.
         """
+        for w, i in self.wire_runs(k, start):
+            yield from w[i::k]  # everything already hashed, iterated in C
+
+    def wire_runs(self, k: int = 1, start: int = 0) -> Iterator[tuple[list[int | bytes], int]]:
+        """:meth:`iter_block_wires` a run at a time, for a reader in C: pairs ``(wires, i)``,
+        the chain's own list of the fine wire hashes so far and the fine index of the next
+        block to read; the reader takes ``wires[i::k]`` (not changing the list) before asking
+        for the next pair, which hashes further. Stopping early hashes no more than
+        :meth:`iter_block_wires` would have."""
         if k < 1 or start < 0:
             raise ValueError(f"need k >= 1 and start >= 0 (got k={k}, start={start})")
         w = self._wires
@@ -696,7 +705,7 @@ class LazyChain:
                 # block, and at most 63 units are hashed beyond what the walk reads.
                 self.extend(max(i + 1, len(w) + min(max(len(w), 1), 64)))
             have = len(w)
-            yield from w[i:have:k]  # everything already hashed, iterated in C
+            yield w, i
             i += -(-(have - i) // k) * k
 
     def wires(self, n: int | None = None) -> list[int | bytes]:

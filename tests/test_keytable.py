@@ -618,13 +618,15 @@ def test_index_suite_passes_with_dict_tables() -> None:
 CHILD = """
 import sys
 {prelude}
-from router.core.index import KVIndex, native_index
+from router.core.index import KVIndex, leading_walk, native_index
 from tests.test_index import FA_SWA, stored
+from tests.test_leading_walk import _masks
 index = KVIndex(FA_SWA, verify_hashes=False)
 a = index.add_replica("A")
 index.apply_events(a, [stored([1, 2, 2**64 - 1])])
 t = index.table("GPU", 0)
 print(native_index(), index.compact, type(t).__name__, sorted(t), "torch" in sys.modules)
+print(leading_walk, _masks([t], list(range(64)), 1, native=True).native)  # the Python walk
 """
 
 
@@ -649,4 +651,4 @@ def test_dict_fallback_when_extension_missing_or_off(prelude: str, env: dict[str
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["None", "False", "dict", "[1,", "2,", "18446744073709551615]",
-                                  "False"]  # fmt: skip
+                                  "False", "None", "False"]  # fmt: skip

@@ -609,16 +609,282 @@ static PyTypeObject KeyTableIterType = {
     .tp_iternext = (iternextfunc)KeyTableIter_next,
 };
 
+/* ------------------------------------------------------------------- leading_walk */
+
+/* router/core/predict.py _Masks.leading_runs' walk over a request's chain, in C: per block the
+ * (tier, group) tables' replica bitmasks, narrowed into `alive`, recording the block index at
+ * which each replica bit drops out. The Python loop is the reference (tests/test_leading_walk.py
+ * holds the two equal); this one differs only in how it learns that nothing dropped.
+ *
+ * Masks are Python ints of any width (a bit per replica slot). Most blocks of a walk drop no
+ * bit: `alive` is a subset of the block's mask (of each mask, ANDing groups; of their union,
+ * ORing them). On CPython < 3.12 that test reads the ints' 30-bit digits in place (no object
+ * made); elsewhere, or for an int subclass or a negative int, it is the Python expression
+ * `alive & m == alive`, with the mask object that last passed it remembered (a key one replica
+ * alone holds stores that replica's shared bit object, so runs of one object are common). A
+ * block that does drop bits goes through exactly the Python loop's int operations. */
+
+#if PY_VERSION_HEX < 0x030C0000
+#define DIGITS_IN_PLACE 1
+/* 3.11's layout (cpython/longintrepr.h): ob_size is the digit count, negative for a negative
+ * int; ob_digit the little-endian PyLong_SHIFT-bit digits. */
+static inline Py_ssize_t long_size(PyObject *o) { return Py_SIZE(o); }
+static inline const digit *long_digits(PyObject *o) { return ((PyLongObject *)o)->ob_digit; }
+#else
+#define DIGITS_IN_PLACE 0
+#endif
+
+static PyObject *ZERO;    /* the int 0: an absent key's mask */
+static PyObject *STR_GET; /* "get", for a table that is neither a KeyTable nor a dict */
+
+/* The mask `table` holds for `h` (0 when absent): a new reference, or NULL with an error. */
+static PyObject *mask_of(PyObject *table, PyObject *h) {
+    PyObject *v;
+    if (Py_IS_TYPE(table, &KeyTableType)) {
+        KeyTable *t = (KeyTable *)table;
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok < 0) {
+            return NULL;
+        }
+        Py_ssize_t i = ok ? find(t, key) : -1;
+        v = i >= 0 ? t->slots[i].value : ZERO;
+    }
+    else if (PyDict_CheckExact(table)) {
+        v = PyDict_GetItemWithError(table, h);
+        if (v == NULL) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            v = ZERO;
+        }
+    }
+    else {
+        return PyObject_CallMethodObjArgs(table, STR_GET, h, ZERO, NULL);
+    }
+    Py_INCREF(v);
+    return v;
+}
+
+/* 1: `alive` is a subset of every mask (any_group 0) or of their union (any_group 1);
+ * 0: it is not; -1: cannot tell in place (not exact non-negative ints, or not this CPython). */
+static int covered_in_place(PyObject *alive, PyObject **ms, Py_ssize_t nt, int any_group) {
+#if DIGITS_IN_PLACE
+    if (!PyLong_CheckExact(alive) || long_size(alive) < 0) {
+        return -1;
+    }
+    for (Py_ssize_t t = 0; t < nt; t++) {
+        if (!PyLong_CheckExact(ms[t]) || long_size(ms[t]) < 0) {
+            return -1;
+        }
+    }
+    Py_ssize_t na = long_size(alive);
+    const digit *a = long_digits(alive);
+    for (Py_ssize_t d = 0; d < na; d++) {
+        digit need = a[d], have = any_group ? 0 : (digit)-1;
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            digit md = d < long_size(ms[t]) ? long_digits(ms[t])[d] : 0;
+            have = any_group ? (have | md) : (have & md);
+        }
+        if (need & ~have) {
+            return 0;
+        }
+    }
+    return 1;
+#else
+    (void)alive;
+    (void)ms;
+    (void)nt;
+    (void)any_group;
+    return -1;
+#endif
+}
+
+/* The block's combined mask as the Python loop computes it: `alive & m1 & m2 ...`, or
+ * `m1 | m2 | ...` for any_group (one table: its mask). A new reference or NULL. */
+static PyObject *combined(PyObject *alive, PyObject **ms, Py_ssize_t nt, int any_group) {
+    if (nt == 1) {
+        Py_INCREF(ms[0]);
+        return ms[0];
+    }
+    PyObject *m = any_group ? ZERO : alive;
+    Py_INCREF(m);
+    for (Py_ssize_t t = 0; t < nt; t++) {
+        PyObject *next = any_group ? PyNumber_Or(m, ms[t]) : PyNumber_And(m, ms[t]);
+        Py_DECREF(m);
+        if (next == NULL) {
+            return NULL;
+        }
+        m = next;
+    }
+    return m;
+}
+
+/* Narrow *alive by mask m (the Python loop's body past the lookups): record each dropped bit
+ * at block j in `stopped`. 0, or -1 with an error. */
+static int narrow(PyObject **alive, PyObject *m, PyObject *stopped, Py_ssize_t j) {
+    PyObject *inv = PyNumber_Invert(m);
+    if (inv == NULL) {
+        return -1;
+    }
+    PyObject *dropped = PyNumber_And(*alive, inv);
+    Py_DECREF(inv);
+    if (dropped == NULL) {
+        return -1;
+    }
+    int any = PyObject_IsTrue(dropped);
+    if (any <= 0) {
+        Py_DECREF(dropped);
+        return any;
+    }
+    PyObject *next = PyNumber_And(*alive, m);
+    PyObject *jobj = next != NULL ? PyLong_FromSsize_t(j) : NULL;
+    if (jobj == NULL) {
+        Py_XDECREF(next);
+        Py_DECREF(dropped);
+        return -1;
+    }
+    Py_SETREF(*alive, next);
+    int rc = 0;
+    while (rc == 0 && (any = PyObject_IsTrue(dropped)) > 0) {
+        PyObject *neg = PyNumber_Negative(dropped);
+        PyObject *low = neg != NULL ? PyNumber_And(dropped, neg) : NULL;
+        Py_XDECREF(neg);
+        PyObject *rest = low != NULL ? PyNumber_Xor(dropped, low) : NULL;
+        if (rest == NULL || PyObject_SetItem(stopped, low, jobj) < 0) {
+            rc = -1;
+        }
+        Py_XDECREF(low);
+        if (rest != NULL) {
+            Py_SETREF(dropped, rest);
+        }
+    }
+    Py_DECREF(jobj);
+    Py_DECREF(dropped);
+    return any < 0 ? -1 : rc;
+}
+
+#define MAX_WALK_TABLES 64
+
+static PyObject *leading_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError,
+                     "leading_walk(wires, i, k, tables, any_group, alive, stopped, j) takes 8 "
+                     "arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    PyObject *wires = args[0], *tables = args[3], *stopped = args[6];
+    if (!PyList_Check(wires) || !PyTuple_Check(tables) || !PyDict_Check(stopped)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "leading_walk needs wires as a list, tables as a tuple and stopped as a "
+                        "dict");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t k = i == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[2]);
+    Py_ssize_t j = k == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[7]);
+    int any_group = j == -1 && PyErr_Occurred() ? -1 : PyObject_IsTrue(args[4]);
+    if (any_group < 0) {
+        return NULL;
+    }
+    Py_ssize_t nt = PyTuple_GET_SIZE(tables);
+    if (i < 0 || k < 1 || j < 0 || nt < 1 || nt > MAX_WALK_TABLES) {
+        PyErr_Format(PyExc_ValueError,
+                     "leading_walk needs i >= 0, k >= 1, j >= 0 and 1 to %d tables",
+                     MAX_WALK_TABLES);
+        return NULL;
+    }
+    PyObject *ms[MAX_WALK_TABLES];
+    PyObject *alive = args[5];
+    PyObject *last_cover = NULL; /* the one-table mask object alive was last a subset of */
+    Py_INCREF(alive);
+    int truth = PyObject_IsTrue(alive);
+    if (truth < 0) {
+        goto fail;
+    }
+    while (truth && i < PyList_GET_SIZE(wires)) {
+        PyObject *h = PyList_GET_ITEM(wires, i);
+        Py_INCREF(h);
+        Py_ssize_t got = 0;
+        for (; got < nt; got++) {
+            ms[got] = mask_of(PyTuple_GET_ITEM(tables, got), h);
+            if (ms[got] == NULL) {
+                break;
+            }
+        }
+        Py_DECREF(h);
+        int cover = got < nt ? -2 : (nt == 1 && ms[0] == last_cover) ? 1 : -1;
+        if (cover == -1) {
+            cover = covered_in_place(alive, ms, nt, any_group);
+        }
+        if (cover == -1 && nt == 1) {
+            /* not readable in place: `alive & m == alive`, remembering m when it holds */
+            PyObject *both = PyNumber_And(alive, ms[0]);
+            cover = both == NULL ? -2 : PyObject_RichCompareBool(both, alive, Py_EQ);
+            Py_XDECREF(both);
+            cover = cover < 0 ? -2 : cover;
+            if (cover == 1) {
+                Py_INCREF(ms[0]);
+                Py_XSETREF(last_cover, ms[0]);
+            }
+        }
+        if (cover != 1 && cover != -2) {
+            PyObject *m = combined(alive, ms, nt, any_group);
+            cover = m == NULL || narrow(&alive, m, stopped, j) < 0 ? -2 : 0;
+            Py_XDECREF(m);
+            if (cover == 0 && (truth = PyObject_IsTrue(alive)) < 0) {
+                cover = -2;
+            }
+        }
+        for (Py_ssize_t t = 0; t < got; t++) {
+            Py_DECREF(ms[t]);
+        }
+        if (cover == -2) {
+            goto fail;
+        }
+        if (truth) {
+            j++;
+            i += k;
+        }
+    }
+    Py_XDECREF(last_cover);
+    return Py_BuildValue("(Nn)", alive, j);
+fail:
+    Py_XDECREF(last_cover);
+    Py_DECREF(alive);
+    return NULL;
+}
+
+static PyMethodDef module_methods[] = {
+    {"leading_walk", (PyCFunction)(void (*)(void))leading_walk, METH_FASTCALL,
+     "leading_walk(wires, i, k, tables, any_group, alive, stopped, j) -> (alive, j)\n\n"
+     "Walk blocks wires[i], wires[i+k], ... while `alive` (a replica bitmask int) is not 0: "
+     "each block's mask is the AND over `tables` (a tuple of KeyTables or dicts) of "
+     "table.get(wire, 0), or their OR with any_group; a bit of alive the mask lacks is "
+     "dropped and stopped[bit] = j, the block's number; j counts blocks every surviving bit "
+     "matched. router/core/predict.py _Masks.leading_runs is the reference."},
+    {NULL, NULL, 0, NULL},
+};
+
 /* ------------------------------------------------------------------- module */
 
 static struct PyModuleDef keytable_module = {
     PyModuleDef_HEAD_INIT, "router.core._keytable",
-    "A compact uint64 -> object hash table for the router's index (docs/index-memory.md).", -1,
-    NULL,
+    "A compact uint64 -> object hash table for the router's index (docs/index-memory.md), and "
+    "the walk of a request's chain over such tables (docs/decision-cost.md).",
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__keytable(void) {
     if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&KeyTableIterType) < 0) {
+        return NULL;
+    }
+    if (ZERO == NULL && (ZERO = PyLong_FromLong(0)) == NULL) {
+        return NULL;
+    }
+    if (STR_GET == NULL && (STR_GET = PyUnicode_InternFromString("get")) == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&keytable_module);

@@ -146,22 +146,30 @@ def _mask_bytes(m: int) -> int:
 NATIVE_INDEX_ENV = "KVROUTER_NATIVE_INDEX"
 
 
-def _load_keytable() -> type | None:
-    """``router.core._keytable.KeyTable`` when it was built and is not switched off; else None.
+def _load_keytable() -> Any:
+    """The module ``router.core._keytable`` when it was built and is not switched off; else
+    None.
 
     The extension is optional at build time (setup.py): without a C compiler the index keeps
-    its tables in dicts, which hold the same keys and answer the same (tests/test_keytable.py).
+    its tables in dicts, which hold the same keys and answer the same (tests/test_keytable.py),
+    and predictions walk a request's chain in Python (tests/test_leading_walk.py).
     """
     if os.environ.get(NATIVE_INDEX_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        from router.core._keytable import KeyTable  # type: ignore[import-not-found]
+        from router.core import _keytable  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return KeyTable
+    return _keytable
 
 
-_KeyTable = _load_keytable()
+_native = _load_keytable()
+_KeyTable: type | None = None if _native is None else _native.KeyTable
+#: ``router.core._keytable.leading_walk`` (router.core.predict's walk over these tables, in
+#: C), or None where the tables are dicts because the extension is missing or switched off.
+leading_walk: Callable[..., tuple[int, int]] | None = (
+    None if _native is None else _native.leading_walk
+)
 
 
 def native_index() -> str | None:

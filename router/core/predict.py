@@ -33,7 +33,7 @@ from router.core.hybrid import (
     group_blind_hit,
     implied_by_held,
 )
-from router.core.index import KVIndex, ReplicaKey
+from router.core.index import KVIndex, ReplicaKey, leading_walk
 
 __all__ = ["Prediction", "Predictor", "ReplicaHit", "Shortlist", "body_request_keys"]
 
@@ -143,14 +143,26 @@ class Prediction:
 class _Masks:
     """Replica bitmasks of one tier at the request's fine indices, each fetched once."""
 
-    __slots__ = ("all_bits", "cache", "chain", "n_blocks_cap", "runs", "tables")
+    __slots__ = ("all_bits", "cache", "chain", "native", "runs", "tables")
 
-    def __init__(self, index: KVIndex, tier: str, n_groups: int, chain: LazyChain, all_bits: int):
+    def __init__(
+        self,
+        index: KVIndex,
+        tier: str,
+        n_groups: int,
+        chain: LazyChain,
+        all_bits: int,
+        *,
+        native: bool = True,
+    ):
         self.chain = chain
         self.all_bits = all_bits
         self.tables = [index.table(tier, g) for g in range(n_groups)]
         self.cache: list[dict[int, int]] = [{} for _ in range(n_groups)]
         self.runs: dict[object, tuple[dict[int, int], int]] = {}
+        #: :meth:`leading_runs` walks in C (router.core._keytable, where it is in use), else
+        #: in Python (the reference).
+        self.native = native and leading_walk is not None
 
     def mask(self, g: int, i: int) -> int:
         cache = self.cache[g]
@@ -165,8 +177,13 @@ class _Masks:
         absent from the dict matched all ``walked`` blocks."""
         key = (group_ids, k)
         got = self.runs.get(key)
-        if got is not None:
-            return got
+        if got is None:
+            walk = self.walk_native if self.native else self.walk_python
+            got = self.runs[key] = walk(group_ids, k)
+        return got
+
+    def walk_python(self, group_ids: tuple[int, ...] | None, k: int) -> tuple[dict[int, int], int]:
+        """:meth:`leading_runs` computed in Python: the reference for :meth:`walk_native`."""
         alive = self.all_bits
         stopped: dict[int, int] = {}
         j = 0
@@ -194,8 +211,26 @@ class _Masks:
                     if not alive:
                         break
                 j += 1
-        got = self.runs[key] = (stopped, j)
-        return got
+        return stopped, j
+
+    def walk_native(self, group_ids: tuple[int, ...] | None, k: int) -> tuple[dict[int, int], int]:
+        """:meth:`leading_runs` computed by ``router.core._keytable.leading_walk``, a run of
+        hashed blocks per call (:meth:`events.hashing.LazyChain.wire_runs`), so the chain is
+        hashed exactly as far as :meth:`walk_python` hashes it."""
+        walk = leading_walk
+        if walk is None:  # not built or switched off
+            return self.walk_python(group_ids, k)
+        alive = self.all_bits
+        stopped: dict[int, int] = {}
+        j = 0
+        if alive:
+            tables = tuple(self.tables[g] for g in (group_ids or range(len(self.tables))))
+            any_group = group_ids is None
+            for wires, i in self.chain.wire_runs(k):
+                alive, j = walk(wires, i, k, tables, any_group, alive, stopped, j)
+                if not alive:
+                    break
+        return stopped, j
 
 
 class _Presence:
