@@ -527,9 +527,111 @@ static PyObject *chain_sha_impl(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(sha_impl);
 }
 
+/* ------------------------------------------------------------------ prefix-home chunk keys */
+
+PyDoc_STRVAR(chunk_chain_doc,
+"chunk_chain(toks, chunk) -> list[int] | None\n--\n\n"
+"router/core/affinity.py PrefixHomes.keys in C: h = 0, then per full chunk of `chunk` tokens\n"
+"h = hash((h, tuple(toks[start:start + chunk]))), every h in a list. Computed with CPython's\n"
+"own tuple and int hash (the xxHash-based tuplehash of 3.8+; a token that is not an int in\n"
+"[0, 2**61 - 1) is hashed by PyObject_Hash, as tuplehash does), without making the slices\n"
+"and tuples. None when toks is not a list or tuple or Py_hash_t is not 64 bits: the caller\n"
+"computes it in Python, which router/core/affinity.py also checks this against at import.");
+
+#define XXPRIME_1 ((uint64_t)11400714785074694791ULL)
+#define XXPRIME_2 ((uint64_t)14029467366897019727ULL)
+#define XXPRIME_5 ((uint64_t)2870177450012600261ULL)
+#define XXROTATE(x) (((x) << 31) | ((x) >> 33))
+#define HASH_MODULUS (((uint64_t)1 << 61) - 1)
+
+/* One lane of CPython's tuplehash; the caller starts acc at XXPRIME_5. */
+static inline uint64_t tuple_lane(uint64_t acc, uint64_t lane) {
+    acc += lane * XXPRIME_2;
+    acc = XXROTATE(acc);
+    return acc * XXPRIME_1;
+}
+
+/* The end of tuplehash: mix in the length, never -1. */
+static inline Py_hash_t tuple_end(uint64_t acc, Py_ssize_t len) {
+    acc += (uint64_t)len ^ (XXPRIME_5 ^ 3527539UL);
+    return acc == (uint64_t)-1 ? 1546275796 : (Py_hash_t)acc;
+}
+
+/* hash(int(v)) for a Py_hash_t v: |v| mod 2**61 - 1 with v's sign, -1 made -2 (long_hash). */
+static inline Py_hash_t int_hash(Py_hash_t v) {
+    uint64_t mag = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+    Py_hash_t x = (Py_hash_t)(mag % HASH_MODULUS);
+    if (v < 0) {
+        x = -x;
+    }
+    return x == -1 ? -2 : x;
+}
+
+static PyObject *chain_chunk_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "chunk_chain() takes exactly 2 arguments");
+        return NULL;
+    }
+    PyObject *toks = args[0];
+    Py_ssize_t c = PyLong_AsSsize_t(args[1]);
+    if (c == -1 && PyErr_Occurred())
+        return NULL;
+    if (c < 1) {
+        PyErr_SetString(PyExc_ValueError, "chunk_chain() needs chunk >= 1");
+        return NULL;
+    }
+    if (sizeof(Py_hash_t) != 8 || !(PyList_CheckExact(toks) || PyTuple_CheckExact(toks)))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(toks) / c;
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    Py_hash_t h = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        /* a list's items may move if a token's __hash__ changes it: re-read them per chunk */
+        if (PySequence_Fast_GET_SIZE(toks) < (k + 1) * c) {
+            Py_DECREF(out);
+            PyErr_SetString(PyExc_RuntimeError, "chunk_chain(): the token list shrank");
+            return NULL;
+        }
+        uint64_t acc = XXPRIME_5;
+        for (Py_ssize_t i = k * c; i < (k + 1) * c; i++) {
+            PyObject *t = PySequence_Fast_ITEMS(toks)[i];
+            uint64_t v;
+            Py_hash_t lane;
+            if (read_token(t, (long long)HASH_MODULUS - 1, &v) == 0) {
+                lane = (Py_hash_t)v; /* hash(v) == v below the modulus */
+            }
+            else {
+                Py_INCREF(t);
+                lane = PyObject_Hash(t);
+                Py_DECREF(t);
+                if (lane == -1) {
+                    Py_DECREF(out);
+                    return NULL;
+                }
+            }
+            acc = tuple_lane(acc, (uint64_t)lane);
+        }
+        Py_hash_t inner = tuple_end(acc, c);
+        acc = tuple_lane(XXPRIME_5, (uint64_t)int_hash(h));
+        h = tuple_end(tuple_lane(acc, (uint64_t)inner), 2);
+        PyObject *v = PyLong_FromSsize_t(h);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k, v);
+    }
+    return out;
+}
+
 static PyMethodDef chain_methods[] = {
     {"extend", (PyCFunction)(void (*)(void))chain_extend, METH_FASTCALL, extend_doc},
     {"token_key", (PyCFunction)(void (*)(void))chain_token_key, METH_FASTCALL, token_key_doc},
+    {"chunk_chain", (PyCFunction)(void (*)(void))chain_chunk_chain, METH_FASTCALL,
+     chunk_chain_doc},
     {"sha256", chain_sha256, METH_O, sha256_doc},
     {"_use_sha", chain_use_sha, METH_O, use_sha_doc},
     {"sha_impl", chain_sha_impl, METH_NOARGS, "The SHA-256 code in use: 'sha-ni' or 'none'."},

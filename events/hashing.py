@@ -55,6 +55,7 @@ __all__ = [
     "RequestKeysError",
     "block_hashes_at",
     "expected_stored_hashes",
+    "native_chain",
     "native_hashing",
     "none_hash_seed",
     "prompt_embeds_digest",
@@ -343,6 +344,13 @@ def _load_native() -> Any:
 
 
 _NATIVE = _load_native()
+
+
+def native_chain() -> Any:
+    """The module ``events._chain`` when it is in use (built, and not switched off with
+    ``KVROUTER_NATIVE_HASHING=0``), else None: for the router's other token hashing in C
+    (router.core.affinity's chunk keys)."""
+    return _NATIVE
 
 
 def native_hashing() -> str | None:

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from events.hashing import native_chain
 from router.config import PolicyConfig
+from router.core import affinity
 from router.core.affinity import PrefixHomes
 from router.core.policy import Candidate, KVCostPolicy
 
@@ -126,6 +128,47 @@ def test_prefix_homes_agree_with_whole_prefix_keys(chunk: int, steps: list) -> N
             assert got == ref.homed(toks)
             assert sum(got.values()) <= len(toks)
     assert homes.homes_by_replica() == dict(collections.Counter(ref.homes.values()))
+
+
+token = st.one_of(
+    st.integers(0, 70_000),
+    st.sampled_from([2**61 - 2, 2**61 - 1, 2**61, 2**63, 2**64, -1, -2, -(2**61), True, False]),
+    st.integers(),
+    st.floats(allow_nan=False),
+)
+
+
+@pytest.mark.skipif(native_chain() is None, reason="events._chain not built or switched off")
+@settings(max_examples=400)
+@given(st.lists(token, max_size=300), st.integers(1, 70), st.booleans())
+def test_chunk_keys_in_c_are_the_python_keys(toks: list, chunk: int, as_tuple: bool) -> None:
+    """events._chain.chunk_chain (PrefixHomes.keys where it is in use) computes exactly
+    Python's hash((h, tuple(chunk))) chain: ints past 2**61 and 2**64, negative ints, bools
+    and floats included (hashed by their own __hash__, as a tuple does). Where the extension
+    is in use its check at import must have passed too."""
+    assert affinity._chunk_chain is not None
+    seq = tuple(toks) if as_tuple else toks
+    assert affinity._chunk_chain(seq, chunk) == affinity.chunk_keys(seq, chunk)
+    assert PrefixHomes(chunk).keys(seq) == affinity.chunk_keys(seq, chunk)
+
+
+def test_chunk_keys_stay_in_python_where_c_disagrees_or_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    toks = list(range(300))
+    assert PrefixHomes(64).keys(range(300)) == affinity.chunk_keys(toks, 64)  # not a list
+
+    class Wrong:
+        @staticmethod
+        def chunk_chain(seq: object, chunk: int) -> list[int]:
+            return [0]
+
+    monkeypatch.setattr(affinity, "native_chain", lambda: Wrong)
+    assert affinity._load_chunk_chain() is None
+    monkeypatch.setattr(affinity, "native_chain", lambda: None)
+    assert affinity._load_chunk_chain() is None
+    monkeypatch.setattr(affinity, "_chunk_chain", None)
+    assert PrefixHomes(64).keys(toks) == affinity.chunk_keys(toks, 64)
 
 
 def cand(name: str, hit: int = 0, home: int = 0, queued: int = 0, trusted: bool = True):

@@ -21,12 +21,49 @@ Bounded: at most ``capacity`` chunks, least recently routed first out. Pure: no 
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from events.hashing import native_chain
 from router.core.index import ReplicaKey
 
-__all__ = ["PrefixHomes"]
+__all__ = ["PrefixHomes", "chunk_keys"]
+
+log = logging.getLogger(__name__)
+
+
+def chunk_keys(token_ids: Sequence[int], chunk_tokens: int) -> list[int]:
+    """:meth:`PrefixHomes.keys` in Python, the reference: per full chunk,
+    ``h = hash((h, tuple(chunk)))`` from ``h = 0``. (A tuple of ints hashes the same in every
+    process: no PYTHONHASHSEED dependence.)"""
+    c = chunk_tokens
+    out = []
+    h = 0
+    for start in range(0, len(token_ids) - c + 1, c):
+        h = hash((h, tuple(token_ids[start : start + c])))
+        out.append(h)
+    return out
+
+
+def _load_chunk_chain() -> Callable[[Sequence[int], int], list[int] | None] | None:
+    """``events._chain.chunk_chain`` (the same keys, 4x cheaper: no slices or tuples made)
+    where it is in use and computes exactly what :func:`chunk_keys` does on this interpreter.
+    It follows CPython's tuple and int hash (unchanged since 3.8); should a Python change
+    them, this check at import finds it and the keys stay on the Python path."""
+    fn = getattr(native_chain(), "chunk_chain", None)
+    if fn is None:
+        return None
+    probe = [*range(-3, 200), 2**61 - 2, 2**61 - 1, 2**64, -(2**70), True, 2.5]
+    for c in (1, 7, 64):
+        for toks in (probe, tuple(probe)):
+            if fn(toks, c) != chunk_keys(toks, c):
+                log.warning("events._chain.chunk_chain disagrees with hash(): keys in Python")
+                return None
+    return fn
+
+
+_chunk_chain = _load_chunk_chain()
 
 
 class PrefixHomes:
@@ -49,16 +86,14 @@ class PrefixHomes:
         return len(self._homes)
 
     def keys(self, token_ids: Sequence[int]) -> list[int]:
-        """One key per full chunk; each covers the whole prefix up to its chunk's end. (A
-        tuple of ints hashes the same in every process: no PYTHONHASHSEED dependence; on
-        this machine 2,000 tokens take ~13 us, against ~29 us through an array's bytes.)"""
-        c = self.chunk_tokens
-        out = []
-        h = 0
-        for start in range(0, len(token_ids) - c + 1, c):
-            h = hash((h, tuple(token_ids[start : start + c])))
-            out.append(h)
-        return out
+        """One key per full chunk; each covers the whole prefix up to its chunk's end
+        (:func:`chunk_keys`). In C where events._chain is in use: on this machine 32k tokens
+        take ~45 us there, ~190 us in Python."""
+        if _chunk_chain is not None:
+            got = _chunk_chain(token_ids, self.chunk_tokens)
+            if got is not None:
+                return got
+        return chunk_keys(token_ids, self.chunk_tokens)
 
     def homed(self, keys: Sequence[int]) -> dict[ReplicaKey, int]:
         """Tokens of the request's leading homed chunks (``keys``), per home replica; the walk
