@@ -99,12 +99,20 @@ class PrefixHomes:
         """Tokens of the request's leading homed chunks (``keys``), per home replica; the walk
         stops at the first chunk no request has carried yet."""
         out: dict[ReplicaKey, int] = {}
-        homes = self._homes
+        get = self._homes.get
+        run_rep, run = None, 0  # chunks in a row homed on one replica: added up at once
         for h in keys:
-            rep = homes.get(h)
+            rep = get(h)
             if rep is None:
                 break
-            out[rep] = out.get(rep, 0) + self.chunk_tokens
+            if rep == run_rep:
+                run += 1
+                continue
+            if run_rep is not None:
+                out[run_rep] = out.get(run_rep, 0) + run * self.chunk_tokens
+            run_rep, run = rep, 1
+        if run_rep is not None:
+            out[run_rep] = out.get(run_rep, 0) + run * self.chunk_tokens
         return out
 
     def record(self, keys: Sequence[int], replica: ReplicaKey) -> list[int]:
