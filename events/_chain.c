@@ -535,7 +535,8 @@ PyDoc_STRVAR(chunk_chain_doc,
 "h = hash((h, tuple(toks[start:start + chunk]))), every h in a list. Computed with CPython's\n"
 "own tuple and int hash (the xxHash-based tuplehash of 3.8+; a token that is not an int in\n"
 "[0, 2**61 - 1) is hashed by PyObject_Hash, as tuplehash does), without making the slices\n"
-"and tuples. None when toks is not a list or tuple or Py_hash_t is not 64 bits: the caller\n"
+"and tuples. None when toks is not a list or tuple, Py_hash_t is not 64 bits or a token's\n"
+"__hash__ shrinks the list: the caller\n"
 "computes it in Python, which router/core/affinity.py also checks this against at import.");
 
 #define XXPRIME_1 ((uint64_t)11400714785074694791ULL)
@@ -587,17 +588,12 @@ static PyObject *chain_chunk_chain(PyObject *self, PyObject *const *args, Py_ssi
     PyObject *out = PyList_New(n);
     if (out == NULL)
         return NULL;
+    PyObject *const *items = PySequence_Fast_ITEMS(toks);
     Py_hash_t h = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
-        /* a list's items may move if a token's __hash__ changes it: re-read them per chunk */
-        if (PySequence_Fast_GET_SIZE(toks) < (k + 1) * c) {
-            Py_DECREF(out);
-            PyErr_SetString(PyExc_RuntimeError, "chunk_chain(): the token list shrank");
-            return NULL;
-        }
         uint64_t acc = XXPRIME_5;
         for (Py_ssize_t i = k * c; i < (k + 1) * c; i++) {
-            PyObject *t = PySequence_Fast_ITEMS(toks)[i];
+            PyObject *t = items[i];
             uint64_t v;
             Py_hash_t lane;
             if (read_token(t, (long long)HASH_MODULUS - 1, &v) == 0) {
@@ -610,6 +606,12 @@ static PyObject *chain_chunk_chain(PyObject *self, PyObject *const *args, Py_ssi
                 if (lane == -1) {
                     Py_DECREF(out);
                     return NULL;
+                }
+                /* that __hash__ may have changed a list: re-read its items, check its size */
+                items = PySequence_Fast_ITEMS(toks);
+                if (PySequence_Fast_GET_SIZE(toks) < (k + 1) * c) {
+                    Py_DECREF(out); /* it shrank: let the caller's Python do what it does */
+                    Py_RETURN_NONE;
                 }
             }
             acc = tuple_lane(acc, (uint64_t)lane);

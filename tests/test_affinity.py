@@ -152,6 +152,22 @@ def test_chunk_keys_in_c_are_the_python_keys(toks: list, chunk: int, as_tuple: b
     assert PrefixHomes(chunk).keys(seq) == affinity.chunk_keys(seq, chunk)
 
 
+@pytest.mark.skipif(native_chain() is None, reason="events._chain not built or switched off")
+def test_a_token_whose_hash_empties_the_list_leaves_the_keys_to_python() -> None:
+    """Hostile tokens: the C keys read a list's items in place, so a ``__hash__`` that
+    changes the list must hand the work back (None), never read past its end."""
+
+    class Emptying(int):
+        def __hash__(self) -> int:
+            toks.clear()
+            return 5
+
+    toks = [1, 2, Emptying(3), 4, 5, 6]
+    assert affinity._chunk_chain(toks, 2) is None
+    toks = [1, 2, Emptying(3), 4, 5, 6]
+    assert PrefixHomes(2).keys(toks) == []  # Python's keys of what the C call left of it
+
+
 def test_chunk_keys_stay_in_python_where_c_disagrees_or_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
