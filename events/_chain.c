@@ -434,22 +434,8 @@ fail:
     return NULL;
 }
 
-PyDoc_STRVAR(token_key_doc,
-"token_key(toks, start, stop) -> bytes | None\n--\n\n"
-"toks[start:stop] as native-endian uint32 bytes, the memo key array('I', ...).tobytes()\n"
-"makes, without the slice and the array; None when a token is not an int in [0, 2**32)\n"
-"(or toks is not a list or tuple): the caller then keys the pure way.");
-
-static PyObject *chain_token_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "token_key() takes exactly 3 arguments");
-        return NULL;
-    }
-    PyObject *toks = args[0];
-    Py_ssize_t start = PyLong_AsSsize_t(args[1]), stop = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred())
-        return NULL;
+/* token_key's work: a new reference to the key bytes or to None, or NULL (no memory). */
+static PyObject *token_key(PyObject *toks, Py_ssize_t start, Py_ssize_t stop) {
     if (!(PyList_CheckExact(toks) || PyTuple_CheckExact(toks)) || start < 0 || stop < start ||
         stop > PySequence_Fast_GET_SIZE(toks))
         Py_RETURN_NONE;
@@ -467,6 +453,97 @@ static PyObject *chain_token_key(PyObject *self, PyObject *const *args, Py_ssize
         *w++ = (uint32_t)v;
     }
     return out;
+}
+
+PyDoc_STRVAR(token_key_doc,
+"token_key(toks, start, stop) -> bytes | None\n--\n\n"
+"toks[start:stop] as native-endian uint32 bytes, the memo key array('I', ...).tobytes()\n"
+"makes, without the slice and the array; None when a token is not an int in [0, 2**32)\n"
+"(or toks is not a list or tuple): the caller then keys the pure way.");
+
+static PyObject *chain_token_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "token_key() takes exactly 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), stop = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    return token_key(args[0], start, stop);
+}
+
+PyDoc_STRVAR(memo_steps_doc,
+"memo_steps(young, parent, toks, H, K, done, target, n, digests, wires) -> int\n--\n\n"
+"events/hashing.py LazyChain.extend's memo lookups for a chain without extra keys, in C: from\n"
+"unit ``done`` (a step boundary, ``parent`` the digest before it) while ``done < target`` and\n"
+"a whole step of K units fits in the chain's n, look the step up in ``young`` (the memo's young\n"
+"generation, a dict) under the key extend builds, (parent, token_key, None), and append a hit's\n"
+"digests and wires to the two lists. Returns the steps taken; stops at the first step the\n"
+"young generation does not hold (or whose tokens token_key cannot key), which extend then\n"
+"looks up itself (the old generation, a miss: counted there).");
+
+static PyObject *chain_memo_steps(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "memo_steps() takes exactly 10 arguments");
+        return NULL;
+    }
+    PyObject *young = args[0], *parent = args[1], *toks = args[2];
+    PyObject *digests = args[8], *wires = args[9];
+    Py_ssize_t H = PyLong_AsSsize_t(args[3]), K = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t done = PyLong_AsSsize_t(args[5]), target = PyLong_AsSsize_t(args[6]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!PyDict_CheckExact(young) || !PyList_CheckExact(digests) || !PyList_CheckExact(wires) ||
+        H < 1 || K < 1 || done < 0) {
+        PyErr_SetString(PyExc_ValueError, "memo_steps(): bad memo, H, K, done or output lists");
+        return NULL;
+    }
+    Py_ssize_t steps = 0;
+    Py_INCREF(parent);
+    while (done < target && done <= n - K) {
+        PyObject *tk = token_key(toks, done * H, (done + K) * H);
+        if (tk == NULL)
+            goto fail;
+        if (tk == Py_None) {
+            Py_DECREF(tk);
+            break;
+        }
+        PyObject *key = PyTuple_Pack(3, parent, tk, Py_None);
+        Py_DECREF(tk);
+        if (key == NULL)
+            goto fail;
+        PyObject *hit = PyDict_GetItemWithError(young, key); /* borrowed */
+        Py_DECREF(key);
+        if (hit == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            break;
+        }
+        if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 2)
+            break;
+        PyObject *ds = PyTuple_GET_ITEM(hit, 0), *ws = PyTuple_GET_ITEM(hit, 1);
+        if (!PyTuple_CheckExact(ds) || !PyTuple_CheckExact(ws) || PyTuple_GET_SIZE(ds) != K ||
+            PyTuple_GET_SIZE(ws) != K)
+            break;
+        Py_INCREF(hit); /* the lists' growth runs no Python code, but hold it anyway */
+        Py_ssize_t nd = PyList_GET_SIZE(digests), nw = PyList_GET_SIZE(wires);
+        int bad = PyList_SetSlice(digests, nd, nd, ds) < 0 || PyList_SetSlice(wires, nw, nw, ws) < 0;
+        if (!bad)
+            Py_SETREF(parent, Py_NewRef(PyTuple_GET_ITEM(ds, K - 1)));
+        Py_DECREF(hit);
+        if (bad)
+            goto fail;
+        done += K;
+        steps++;
+    }
+    Py_DECREF(parent);
+    return PyLong_FromSsize_t(steps);
+fail:
+    Py_DECREF(parent);
+    return NULL;
 }
 
 PyDoc_STRVAR(sha256_doc, "sha256(data) -> bytes\n--\n\nSHA-256 of a bytes-like object, "
@@ -634,6 +711,7 @@ static PyMethodDef chain_methods[] = {
     {"token_key", (PyCFunction)(void (*)(void))chain_token_key, METH_FASTCALL, token_key_doc},
     {"chunk_chain", (PyCFunction)(void (*)(void))chain_chunk_chain, METH_FASTCALL,
      chunk_chain_doc},
+    {"memo_steps", (PyCFunction)(void (*)(void))chain_memo_steps, METH_FASTCALL, memo_steps_doc},
     {"sha256", chain_sha256, METH_O, sha256_doc},
     {"_use_sha", chain_use_sha, METH_O, use_sha_doc},
     {"sha_impl", chain_sha_impl, METH_NOARGS, "The SHA-256 code in use: 'sha-ni' or 'none'."},

@@ -344,6 +344,8 @@ def _load_native() -> Any:
 
 
 _NATIVE = _load_native()
+#: ``events._chain.memo_steps``: LazyChain.extend's memo lookups in C (None: in Python).
+_NATIVE_STEPS: Callable[..., int] | None = getattr(_NATIVE, "memo_steps", None)
 
 
 def native_chain() -> Any:
@@ -748,12 +750,31 @@ class LazyChain:
         ex = self._extras
         run = h._extend
         ints = h.int_block_hashes
+        steps = _NATIVE_STEPS if h.native and ex is None and use_memo else None
         while (done := len(digests)) < target:
             off = done % K
             step_end = min(done - off + K, n)
             if off == 0:
                 # At a step boundary: one lookup may bring the whole step.
                 self._pending = None
+                if steps is not None and step_end - done == K:
+                    # in C, the run of whole steps the young generation holds (the lookups
+                    # below, key for key); the first it does not is looked up below
+                    got = steps(
+                        memo._young,
+                        digests[-1] if done else h.none_hash,
+                        toks,
+                        H,
+                        K,
+                        done,
+                        target,
+                        n,
+                        digests,
+                        wires,
+                    )
+                    if got:
+                        memo.hits += got
+                        continue
                 if use_memo and (step_end - done == K or (eager and step_end <= target)):
                     key = (
                         digests[-1] if done else h.none_hash,

@@ -251,6 +251,44 @@ def test_lazy_reads_in_any_order_equal_pure(
         assert chain.wires() == want
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    bases=st.lists(st.lists(st.integers(0, 9), min_size=10, max_size=60), min_size=1, max_size=3),
+    prompts=st.lists(
+        st.tuples(
+            st.integers(0, 2),  # which base prompt: repeated prefixes hit the memo
+            st.integers(0, 60),  # cut there
+            st.lists(st.sampled_from([0, 1, 5, 2**32]), max_size=4),  # a tail, 2**32: no key
+            st.integers(0, 25),  # how far the lazy read goes
+            st.booleans(),  # eager (wires()) or a walk (wire_runs)
+        ),
+        max_size=12,
+    ),
+    memo=st.sampled_from([6, 12, 30]),
+)
+def test_memo_lookups_in_c_are_the_python_lookups(
+    bases: list[list[int]], prompts: list, memo: int
+) -> None:
+    """LazyChain.extend's memo lookups (events._chain.memo_steps for the young generation)
+    leave the memo as the Python lookups do: the same wires, as far hashed, the same hits,
+    misses and steps held, through generation turnover (a memo of 2-10 steps of 3)."""
+    fast, pure = hashers("sha256", None, 2, True, memo=memo)
+    for which, cut, tail, read, eager in prompts:
+        toks = bases[which % len(bases)][:cut] + tail
+        chains = [h.lazy_chain(toks) for h in (fast, pure)]
+        for chain in chains:
+            if eager:
+                chain.wires()
+            else:
+                for _wires, i in chain.wire_runs(1):
+                    if i >= read:
+                        break
+        a, b = chains
+        assert a.hashed == b.hashed
+        assert a.wires(a.hashed) == b.wires(b.hashed)
+        assert fast.memo_stats == pure.memo_stats
+
+
 def test_token_key_is_the_pure_memo_key() -> None:
     """The memo key the C code builds is array('I') bytes, or None where pure keys otherwise."""
     ok = [0, 1, 255, 65536, 2**31, 2**32 - 1, 150_000]
