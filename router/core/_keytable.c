@@ -765,6 +765,14 @@ static int narrow(PyObject **alive, PyObject *m, PyObject *stopped, Py_ssize_t j
 }
 
 #define MAX_WALK_TABLES 64
+#define PREFETCH_SLOTS 16
+#define PREFETCH_VALUES 8
+#define RING 32 /* > PREFETCH_SLOTS */
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
 
 static PyObject *leading_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -804,12 +812,49 @@ static PyObject *leading_walk(PyObject *module, PyObject *const *args, Py_ssize_
     if (truth < 0) {
         goto fail;
     }
+    /* Keys of the blocks ahead, read once into a ring: a block's KeyTable slots are prefetched
+     * PREFETCH_SLOTS blocks before it is walked, its mask objects PREFETCH_VALUES blocks
+     * before (the slots being there by then), so the cache misses of a long walk overlap. */
+    uint64_t ring[RING];
+    signed char ring_ok[RING];
+    Py_ssize_t s = 0, ahead = 0; /* blocks walked / whose keys are read, from i */
+    const Py_ssize_t i0 = i;
     while (truth && i < PyList_GET_SIZE(wires)) {
+        Py_ssize_t n_wires = PyList_GET_SIZE(wires);
+        for (; ahead < s + PREFETCH_SLOTS && i0 + ahead * k < n_wires; ahead++) {
+            int ok = as_key(PyList_GET_ITEM(wires, i0 + ahead * k), &ring[ahead % RING]);
+            if (ok < 0) {
+                goto fail;
+            }
+            ring_ok[ahead % RING] = (signed char)ok;
+            for (Py_ssize_t t = 0; ok && t < nt; t++) {
+                KeyTable *kt = (KeyTable *)PyTuple_GET_ITEM(tables, t);
+                if (Py_IS_TYPE(kt, &KeyTableType) && kt->used) {
+                    PREFETCH(&kt->slots[home_of(kt, ring[ahead % RING])]);
+                }
+            }
+        }
+        Py_ssize_t v = s + PREFETCH_VALUES;
+        for (Py_ssize_t t = 0; v < ahead && ring_ok[v % RING] && t < nt; t++) {
+            KeyTable *kt = (KeyTable *)PyTuple_GET_ITEM(tables, t);
+            Py_ssize_t at = Py_IS_TYPE(kt, &KeyTableType) ? find(kt, ring[v % RING]) : -1;
+            if (at >= 0) {
+                PREFETCH(kt->slots[at].value);
+            }
+        }
         PyObject *h = PyList_GET_ITEM(wires, i);
         Py_INCREF(h);
         Py_ssize_t got = 0;
         for (; got < nt; got++) {
-            ms[got] = mask_of(PyTuple_GET_ITEM(tables, got), h);
+            PyObject *table = PyTuple_GET_ITEM(tables, got);
+            if (Py_IS_TYPE(table, &KeyTableType)) { /* mask_of, with the key read above */
+                KeyTable *kt = (KeyTable *)table;
+                Py_ssize_t at = ring_ok[s % RING] ? find(kt, ring[s % RING]) : -1;
+                ms[got] = at >= 0 ? kt->slots[at].value : ZERO;
+                Py_INCREF(ms[got]);
+                continue;
+            }
+            ms[got] = mask_of(table, h);
             if (ms[got] == NULL) {
                 break;
             }
@@ -847,6 +892,7 @@ static PyObject *leading_walk(PyObject *module, PyObject *const *args, Py_ssize_
         if (truth) {
             j++;
             i += k;
+            s++;
         }
     }
     Py_XDECREF(last_cover);
