@@ -82,11 +82,15 @@ def test_the_config_refuses_what_prefix_homes_cannot_hold() -> None:
 
 
 class ReferenceHomes:
-    """The same contract keyed by whole prefixes (tuples), without hashing or eviction."""
+    """The same contract keyed by whole prefixes (tuples), without hashing; least recently
+    routed out first past ``capacity``, one at a time."""
 
-    def __init__(self, chunk: int) -> None:
+    def __init__(self, chunk: int, capacity: int = 10**9) -> None:
         self.chunk = chunk
-        self.homes: dict[tuple[int, ...], tuple[str, int]] = {}
+        self.capacity = capacity
+        self.homes: collections.OrderedDict[tuple[int, ...], tuple[str, int]] = (
+            collections.OrderedDict()
+        )
 
     def prefixes(self, toks: list[int]) -> list[tuple[int, ...]]:
         n = len(toks) // self.chunk
@@ -95,6 +99,9 @@ class ReferenceHomes:
     def record(self, toks: list[int], rep: tuple[str, int]) -> None:
         for p in self.prefixes(toks):
             self.homes.setdefault(p, rep)
+            self.homes.move_to_end(p)
+        while len(self.homes) > self.capacity:
+            self.homes.popitem(last=False)
 
     def homed(self, toks: list[int]) -> dict[tuple[str, int], int]:
         out: dict[tuple[str, int], int] = {}
@@ -116,9 +123,11 @@ ops = st.lists(
 
 
 @settings(max_examples=300)
-@given(st.integers(1, 4), ops)
-def test_prefix_homes_agree_with_whole_prefix_keys(chunk: int, steps: list) -> None:
-    homes, ref = PrefixHomes(chunk), ReferenceHomes(chunk)
+@given(st.integers(1, 4), st.sampled_from([1, 2, 3, 5, 100_000]), ops)
+def test_prefix_homes_agree_with_whole_prefix_keys(chunk: int, capacity: int, steps: list) -> None:
+    """Homes, their walk and the per-replica counts, with evictions (one request evicting
+    several chunks at a small capacity) and without."""
+    homes, ref = PrefixHomes(chunk, capacity), ReferenceHomes(chunk, capacity)
     for is_record, toks, rep in steps:
         if is_record:
             homes.record(homes.keys(toks), rep)
@@ -127,7 +136,7 @@ def test_prefix_homes_agree_with_whole_prefix_keys(chunk: int, steps: list) -> N
             got = homes.homed(homes.keys(toks))
             assert got == ref.homed(toks)
             assert sum(got.values()) <= len(toks)
-    assert homes.homes_by_replica() == dict(collections.Counter(ref.homes.values()))
+        assert homes.homes_by_replica() == dict(collections.Counter(ref.homes.values()))
 
 
 token = st.one_of(

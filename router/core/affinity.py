@@ -128,9 +128,19 @@ class PrefixHomes:
                 new.append(h)
         if new:
             counts[replica] = counts.get(replica, 0) + len(new)
-        while len(homes) > self.capacity:
-            _, old = homes.popitem(last=False)
-            self._uncount(old)
+        excess = len(homes) - self.capacity
+        if excess > 0:  # a long novel prompt at capacity evicts hundreds: count them at once
+            popitem = homes.popitem
+            gone: dict[ReplicaKey, int] = {}
+            for _ in range(excess):
+                old = popitem(last=False)[1]
+                gone[old] = gone.get(old, 0) + 1
+            for old, n in gone.items():
+                left = counts[old] - n
+                if left:
+                    counts[old] = left
+                else:
+                    del counts[old]
         return new
 
     def withdraw(self, keys: Sequence[int], replica: ReplicaKey) -> None:
