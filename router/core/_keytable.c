@@ -1,6 +1,8 @@
 /*
  * router.core._keytable: a compact hash table from unsigned 64-bit int keys to Python objects,
- * the per-(tier, group) tables of router/core/index.py (docs/index-memory.md).
+ * the per-(tier, group) tables of router/core/index.py (docs/index-memory.md); and
+ * leading_walk, a prediction's walk of a request's chain over those tables (router/core/
+ * predict.py, docs/decision-cost.md), here because it reads the tables' slots directly.
  *
  * Optional at build time (setup.py builds it with optional=True); router/core/index.py uses a
  * plain dict when this module is missing or switched off (KVROUTER_NATIVE_INDEX=0), and that
