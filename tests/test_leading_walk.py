@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from events.hashing import BlockHasher
 from events.layout import HashSettings
+from router.core import index as index_mod
 from router.core.predict import _Masks
 
 REQUIRED = os.environ.get("KVROUTER_REQUIRE_NATIVE", "") == "1"
@@ -31,7 +32,8 @@ except ImportError:  # not built: skip, unless CI requires it
     KeyTable = leading_walk = None
 
 needs_native = pytest.mark.skipif(
-    leading_walk is None and not REQUIRED, reason="router.core._keytable not built"
+    index_mod.leading_walk is None and not REQUIRED,
+    reason=f"router.core._keytable not built, or {index_mod.NATIVE_INDEX_ENV}=0",
 )
 
 HASHER = BlockHasher(HashSettings(), 4, memo_entries=0)
