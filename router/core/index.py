@@ -166,10 +166,9 @@ def _load_keytable() -> Any:
 _native = _load_keytable()
 _KeyTable: type | None = None if _native is None else _native.KeyTable
 #: ``router.core._keytable.leading_walk`` (router.core.predict's walk over these tables, in
-#: C), or None where the tables are dicts because the extension is missing or switched off.
-leading_walk: Callable[..., tuple[int, int]] | None = (
-    None if _native is None else _native.leading_walk
-)
+#: C), or None where the tables are dicts because the extension is missing or switched off
+#: (or was built before it had the walk: a stale in-place build walks in Python).
+leading_walk: Callable[..., tuple[int, int]] | None = getattr(_native, "leading_walk", None)
 
 
 def native_index() -> str | None:
