@@ -40,6 +40,12 @@ the pool's are ints): that one table is then turned into a dict holding the same
 tests/test_index_memory.py holds the account within 10 % of tracemalloc at 8-256 replicas on
 either kind of table, and bench/fleet_bench.py reports the ratio.
 
+**Wipes** (a clear, a restart, lost events, a replica seen down or removed) do not scan the
+index: the replica takes a fresh slot at once, and its old bit becomes *dead*, read by no
+prediction (no replica has it), cleared from the keys by :meth:`KVIndex.sweep` in bounded
+steps (after each batch, and on the server's timer); the slot is given again only when no key
+carries it (docs/live-fleet.md §3).
+
 When the account exceeds the budget, 10 % of the keys of the largest table are reclaimed at a
 time until it is under 90 % of the budget: a dict's oldest-inserted keys (dicts keep
 insertion order, so FIFO by first store; a dict does not shrink, so its allocation stays
