@@ -176,6 +176,13 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     GPU/CPU/STORAGE (per replica: one replica's junk names never crowd out another's)."""
     warn_interval_s: float = 60.0
     """One log warning per (replica, reason) per interval; every occurrence is counted."""
+    max_dead_slots: int = 64
+    """Wiped replicas' old slots the index may keep while its sweep clears them from keys (a
+    wipe takes a fresh slot at once instead of scanning the index); past it a wipe scans the
+    index at once (``kvrouter_index_wipes_total{mode="sync"}``)."""
+    sweep_step: int = 2048
+    """Table slots one step of that sweep reads (one step after each applied batch, and on a
+    timer): smaller steps stall the event loop less and finish later."""
     snapshot_path: str | None = None
     """Where the router writes its index on shutdown (and every ``snapshot_interval_s``) and
     reads it back at start, resuming each replica's stream where the file left off: a restart
@@ -199,6 +206,8 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 "max_extra_tiers, warn_interval_s and snapshot_interval_s must be >= 0"
             )
+        if self.max_dead_slots < 0 or self.sweep_step < 1:
+            raise ValueError("max_dead_slots must be >= 0 and sweep_step >= 1")
         if self.bootstrap_peer is not None and not self.bootstrap_peer.startswith(
             ("http://", "https://")
         ):
@@ -212,6 +221,8 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             max_block_size=self.max_block_size,
             max_extra_tiers=self.max_extra_tiers,
             warn_interval_s=self.warn_interval_s,
+            max_dead_slots=self.max_dead_slots,
+            sweep_step=self.sweep_step,
         )
 
 

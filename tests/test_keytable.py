@@ -1,7 +1,7 @@
 """router.core._keytable.KeyTable against a dict, and the index on both kinds of tables.
 
 The dict is the reference: under random sequences of every operation the index uses (get,
-set, delete, contains, len, iteration, items, values, pop_some), growth and shrinking, and
+set, delete, contains, len, iteration, items, values, pop_some, scan), growth and shrinking, and
 deletions that shift probe runs back, a KeyTable holds and answers exactly what a dict does.
 References are counted right (values freed when deleted, overwritten, popped, or with the
 table), hostile keys are refused with TypeError/OverflowError and never found, and the index
@@ -488,6 +488,87 @@ def test_pop_some_shrinks_to_fit() -> None:
     assert t.capacity <= 2 * len(t)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**64 - 1),
+    n=st.sampled_from([0, 1, 7, 60, 700, 3000]),
+    step=st.sampled_from([1, 3, 16, 200, 10**6]),
+    rnd=st.randoms(use_true_random=False),
+)
+def test_scan_visits_every_key_present_throughout(seed, n, step, rnd) -> None:
+    """KeyTable.scan (the index's sweep of dead bits) returns each key whose value has a bit
+    of the mask exactly once, as long as it is in the table from the first call to the last,
+    however the table grows, shrinks and shifts runs between calls."""
+    mask = 1 << 70 | 2
+    values = [1, 2, 3, 4, 6, 1 << 70, 1 << 70 | 1, 1 << 71]
+    t, ref = KeyTable(seed), {}
+    for _ in range(n):
+        k = rnd.getrandbits(64)
+        t[k] = ref[k] = rnd.choice(values)
+    want = {k for k, v in ref.items() if v & mask}
+    seen: list[int] = []
+    cursor = 0
+    while True:
+        pairs, nxt = t.scan(cursor, step, mask)
+        for k, v in pairs:
+            assert ref[k] is v and v & mask
+            seen.append(k)
+        for _ in range(rnd.choice([0, 3, 40, 400])):  # churn, some of it resizing the table
+            if ref and rnd.random() < 0.55:
+                k = rnd.choice(list(ref))
+                if k in want and k not in seen:
+                    continue  # present throughout: must be found
+                del t[k], ref[k]
+            else:
+                k = rnd.getrandbits(64)
+                if k not in ref:
+                    t[k] = ref[k] = 1  # new keys carry no bit of the mask
+        if nxt is None:
+            break
+        assert nxt > cursor
+        cursor = nxt
+    assert sorted(seen) == sorted(want)
+
+
+def test_scan_refuses_bad_arguments() -> None:
+    t = KeyTable()
+    t[5] = 1
+    assert t.scan(0, 10, 1) == ([(5, 1)], None)
+    assert t.scan(0, 10, 2) == ([], None)
+    for args in ((-1, 1, 1), (2**64, 1, 1), (0, 0, 1), (0, 1, "1"), ("0", 1, 1)):
+        with pytest.raises((ValueError, TypeError, OverflowError)):
+            t.scan(*args)
+    t[6] = "x"
+    with pytest.raises(TypeError, match="int values"):
+        t.scan(0, 10, 1)
+    assert KeyTable().scan(0, 5, 1) == ([], None)
+
+
+def test_a_shrink_waits_while_keys_crowd_one_part_of_hash_space() -> None:
+    """Deleting keys in hash order (a sweep, a wipe) leaves the survivors in one part of hash
+    space: squeezed to a load of 1/2 overall they would overfill it and make one run around
+    the table (each delete then shifts it all: 82 s to delete 1M keys). The shrink waits;
+    once the keys are spread again it happens."""
+    rnd = random.Random(5)
+    t = KeyTable(9)
+    for _ in range(40_000):
+        t[rnd.getrandbits(64)] = 1
+    order = list(t)  # slot order, which follows hash order
+    for k in order[:36_000]:
+        del t[k]
+    assert t.capacity > 4 * len(t), "shrunk into a crowded table"
+    assert all(t.get(k) == 1 for k in order[36_000:])
+    t.shrink()
+    assert t.capacity > 4 * len(t)  # still crowded: still waiting
+    for _ in range(8_000):  # spread keys again
+        t[rnd.getrandbits(64)] = 1
+    for k in order[36_000:]:
+        del t[k]
+    t.shrink()
+    assert t.capacity <= 2 * len(t)
+    assert len(t) == 8_000
+
+
 # --------------------------------------------------------------------------- the index
 
 
@@ -585,6 +666,7 @@ def test_reclaim_on_a_compact_index_frees_memory_proportionally() -> None:
 
 INDEX_TESTS = [
     "tests/test_index.py",
+    "tests/test_index_wipe.py",
     "tests/test_index_memory.py",
     "tests/test_index_hostile.py",
     "tests/test_snapshot.py",

@@ -43,6 +43,8 @@ typedef struct {
     uint64_t seed;
     uint64_t cursor;   /* where pop_some goes on, in hash space */
     uint64_t version;  /* bumped on every insert, delete and resize: iterators check it */
+    Py_ssize_t shrink_below; /* after a shrink gave up (try_shrink): retry under this many
+                                keys (0: no hold-off) */
 } KeyTable;
 
 typedef struct {
@@ -60,6 +62,8 @@ static PyTypeObject KeyTableIterType;
 /* grow past a load of 3/4, shrink below 1/4; both resize to a load of 1/2 */
 #define OVER_FULL(used, cap) ((uint64_t)(used) * 4 > (uint64_t)(cap) * 3)
 #define UNDER_FULL(used, cap) ((uint64_t)(used) * 4 < (uint64_t)(cap))
+/* a shrink on delete gives up when an entry would land this far past its home (try_shrink) */
+#define MAX_SHRINK_PROBE 64
 
 static inline uint64_t mix(uint64_t k, uint64_t seed) {
     /* murmur3's fmix64: a bijection, so distinct keys never share a hash */
@@ -191,6 +195,7 @@ static int resize(KeyTable *t, Py_ssize_t new_cap) {
     }
     PyMem_Free(old);
     t->version++;
+    t->shrink_below = 0;
     return 0;
 }
 
@@ -223,15 +228,63 @@ static PyObject *take_slot(KeyTable *t, Py_ssize_t i) {
     return v;
 }
 
-/* After a delete: give memory back once the load falls under 1/4 (a failed shrink is not an
- * error: the table stays as it is). */
+/* resize(t, new_cap) for a shrink on delete, or 1 (the table untouched) when an entry would
+ * land more than MAX_SHRINK_PROBE slots past its home. Homes follow hash order, so after keys
+ * were deleted in hash order (a sweep of the index, a wipe) the survivors crowd one part of
+ * hash space: squeezed to a load of 1/2 overall, that part would hold more keys than slots
+ * and become one run around the table, whose every delete shifts it all (a wipe of 1M keys
+ * took 82 s that way). Such a shrink waits until the keys are spread again (shrink_below,
+ * KeyTable.shrink). -1 with MemoryError set. */
+static int try_shrink(KeyTable *t, Py_ssize_t new_cap) {
+    if (new_cap < MIN_CAP) {
+        new_cap = MIN_CAP;
+    }
+    Slot *fresh = PyMem_Calloc((size_t)new_cap, sizeof(Slot));
+    if (fresh == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Slot *old = t->slots;
+    Py_ssize_t old_cap = t->cap;
+    uint64_t seed = t->seed;
+    for (Py_ssize_t j = 0; j < old_cap; j++) {
+        if (old[j].value != NULL) {
+            Py_ssize_t i = (Py_ssize_t)mulhi(mix(old[j].key, seed), (uint64_t)new_cap);
+            Py_ssize_t probe = 0;
+            while (fresh[i].value != NULL) {
+                if (++i == new_cap) {
+                    i = 0;
+                }
+                if (++probe > MAX_SHRINK_PROBE) {
+                    PyMem_Free(fresh);
+                    return 1;
+                }
+            }
+            fresh[i] = old[j];
+        }
+    }
+    t->slots = fresh;
+    t->cap = new_cap;
+    PyMem_Free(old);
+    t->version++;
+    return 0;
+}
+
+/* After a delete: give memory back once the load falls under 1/4 (a failed or refused shrink
+ * is not an error: the table stays as it is; a refused one is retried at half the keys). */
 static void maybe_shrink(KeyTable *t) {
     if (t->used == 0) {
         (void)resize(t, 0);
+        t->shrink_below = 0;
     }
-    else if (t->cap > MIN_CAP && UNDER_FULL(t->used, t->cap)) {
-        if (resize(t, t->used * 2) < 0) {
+    else if (t->cap > MIN_CAP && UNDER_FULL(t->used, t->cap) &&
+             (t->shrink_below == 0 || t->used < t->shrink_below)) {
+        int r = try_shrink(t, t->used * 2);
+        if (r < 0) {
             PyErr_Clear();
+        }
+        else {
+            t->shrink_below = r ? (t->used / 2 > 0 ? t->used / 2 : 1) : 0;
         }
     }
 }
@@ -297,6 +350,7 @@ static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     t->seed = (uint64_t)seed;
     t->cursor = 0;
     t->version = 0;
+    t->shrink_below = 0;
     return (PyObject *)t;
 }
 
@@ -460,6 +514,159 @@ static PyObject *KeyTable_pop_some(KeyTable *t, PyObject *arg) {
     return out;
 }
 
+/* ceil(e * 2**64 / cap) for 0 < e < cap: the least hash whose home (mulhi(hash, cap)) is e. */
+static uint64_t first_hash_of(uint64_t e, uint64_t cap) {
+#if defined(__SIZEOF_INT128__)
+    unsigned __int128 num = ((unsigned __int128)e << 64) + (cap - 1);
+    return (uint64_t)(num / cap);
+#else
+    /* long division of (e:0) by cap, a bit at a time; the quotient fits (e < cap) */
+    uint64_t rem = e, q = 0;
+    for (int b = 63; b >= 0; b--) {
+        int carry = (rem >> 63) != 0;
+        rem <<= 1;
+        q <<= 1;
+        if (carry || rem >= cap) {
+            rem -= cap;
+            q |= 1;
+        }
+    }
+    return rem ? q + 1 : q;
+#endif
+}
+
+typedef struct {
+    uint64_t key;
+    PyObject *value; /* a new reference */
+} Hit;
+
+static PyObject *KeyTable_scan(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "scan expected 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    uint64_t c;
+    if (!PyLong_Check(args[0]) || as_key(args[0], &c) != 1) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "scan(cursor, n, mask): cursor in [0, 2**64)");
+        }
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *mask = args[2];
+    if (n < 1 || !PyLong_CheckExact(mask)) {
+        PyErr_SetString(PyExc_ValueError, "scan(cursor, n, mask): n >= 1 and mask an int");
+        return NULL;
+    }
+    Py_ssize_t cap = t->cap;
+    Py_ssize_t s = cap ? (Py_ssize_t)mulhi(c, (uint64_t)cap) : 0;
+    int done = cap == 0 || n >= cap - s;
+    Py_ssize_t e = done ? cap : s + n;
+    uint64_t d = done ? 0 : first_hash_of((uint64_t)e, (uint64_t)cap);
+    /* Phase 1 reads the slots and allocates nothing the cyclic GC tracks (ints only), so no
+     * finalizer can run and change the table under it; phase 2 builds the tuples. */
+    Hit *hits = NULL;
+    Py_ssize_t nhits = 0, room = 0;
+    PyObject *clean[8] = {NULL}; /* values seen with no bit of mask (most are shared bits) */
+    uint64_t seed = t->seed;
+    for (Py_ssize_t walk = 0; walk < cap; walk++) {
+        Py_ssize_t i = s + walk < cap ? s + walk : s + walk - cap;
+        Slot *sl = &t->slots[i];
+        if (sl->value == NULL) {
+            if (walk >= e - s) {
+                break; /* past the range's last home and its run */
+            }
+            continue;
+        }
+        uint64_t h = mix(sl->key, seed);
+        if (h < c || (!done && h >= d)) {
+            continue;
+        }
+        PyObject *v = sl->value;
+        size_t ci = ((uintptr_t)v >> 4) & 7;
+        if (clean[ci] == v) {
+            continue;
+        }
+        if (!PyLong_CheckExact(v)) {
+            PyErr_SetString(PyExc_TypeError, "scan needs a table of int values");
+            goto fail;
+        }
+        PyObject *both = PyNumber_And(v, mask);
+        if (both == NULL) {
+            goto fail;
+        }
+        int hit = PyObject_IsTrue(both);
+        Py_DECREF(both);
+        if (!hit) {
+            clean[ci] = v;
+            continue;
+        }
+        if (nhits == room) {
+            Py_ssize_t more = room ? room * 2 : 64;
+            Hit *grown = PyMem_Realloc(hits, (size_t)more * sizeof(Hit));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            hits = grown;
+            room = more;
+        }
+        Py_INCREF(v);
+        hits[nhits].key = sl->key;
+        hits[nhits].value = v;
+        nhits++;
+    }
+    PyObject *out = PyList_New(nhits), *next = NULL, *ret = NULL;
+    if (out == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t k = 0; k < nhits; k++) {
+        PyObject *key = PyLong_FromUnsignedLongLong(hits[k].key);
+        PyObject *pair = key != NULL ? PyTuple_New(2) : NULL;
+        if (pair == NULL) {
+            Py_XDECREF(key);
+            Py_DECREF(out);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(pair, 0, key);
+        PyTuple_SET_ITEM(pair, 1, hits[k].value); /* its reference moves there */
+        hits[k].value = NULL;
+        PyList_SET_ITEM(out, k, pair);
+    }
+    PyMem_Free(hits);
+    if (done) {
+        Py_INCREF(Py_None);
+        next = Py_None;
+    }
+    else {
+        next = PyLong_FromUnsignedLongLong(d);
+    }
+    if (next == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    ret = PyTuple_Pack(2, out, next);
+    Py_DECREF(out);
+    Py_DECREF(next);
+    return ret;
+fail:
+    for (Py_ssize_t k = 0; k < nhits; k++) {
+        Py_XDECREF(hits[k].value);
+    }
+    PyMem_Free(hits);
+    return NULL;
+}
+
+static PyObject *KeyTable_shrink(KeyTable *t, PyObject *unused) {
+    (void)unused;
+    t->shrink_below = 0;
+    maybe_shrink(t);
+    Py_RETURN_NONE;
+}
+
 static PyObject *KeyTable_sizeof(KeyTable *t, PyObject *unused) {
     (void)unused;
     return PyLong_FromSsize_t((Py_ssize_t)sizeof(KeyTable) + t->cap * (Py_ssize_t)sizeof(Slot));
@@ -509,6 +716,15 @@ static PyMethodDef KeyTable_methods[] = {
     {"pop_some", (PyCFunction)KeyTable_pop_some, METH_O,
      "pop_some(n): remove up to n entries and return them as [(key, value)], in hash order "
      "from where the previous call stopped (a clock sweep); then shrink to fit."},
+    {"scan", (PyCFunction)(void (*)(void))KeyTable_scan, METH_FASTCALL,
+     "scan(cursor, n, mask) -> (pairs, next): every entry whose key's position in hash order "
+     "is in [cursor, next) and whose value & mask is not 0, as [(key, value)]; next is chosen "
+     "so that about n slots are read (None: the range reached the end). Positions do not move "
+     "when the table resizes, so scan(0, ...), scan(next, ...), ... visits every key present "
+     "throughout, however the table changes between calls. Values must be ints."},
+    {"shrink", (PyCFunction)KeyTable_shrink, METH_NOARGS,
+     "shrink(): give memory back now if the load is under 1/4 (a shrink on delete waits while "
+     "the keys crowd one part of hash space, as after a scan deleted in hash order)."},
     {"keys", (PyCFunction)KeyTable_keys, METH_NOARGS, "An iterator over the keys."},
     {"values", (PyCFunction)KeyTable_values, METH_NOARGS, "An iterator over the values."},
     {"items", (PyCFunction)KeyTable_items, METH_NOARGS, "An iterator over (key, value)."},

@@ -40,6 +40,12 @@ the pool's are ints): that one table is then turned into a dict holding the same
 tests/test_index_memory.py holds the account within 10 % of tracemalloc at 8-256 replicas on
 either kind of table, and bench/fleet_bench.py reports the ratio.
 
+**Wipes** (a clear, a restart, lost events, a replica seen down or removed) do not scan the
+index: the replica takes a fresh slot at once, and its old bit becomes *dead*, read by no
+prediction (no replica has it), cleared from the keys by :meth:`KVIndex.sweep` in bounded
+steps (after each batch, and on the server's timer); the slot is given again only when no key
+carries it (docs/live-fleet.md §3).
+
 When the account exceeds the budget, 10 % of the keys of the largest table are reclaimed at a
 time until it is under 90 % of the budget: a dict's oldest-inserted keys (dicts keep
 insertion order, so FIFO by first store; a dict does not shrink, so its allocation stays
@@ -52,6 +58,7 @@ hash.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import os
@@ -262,6 +269,14 @@ class IndexLimits:
     """Full-attention parents whose stored children a *partial* replica's index remembers
     (KVIndex._close_ancestors); past it the oldest are forgotten (predictions stay a lower
     bound, only less often exact). About 150 bytes each."""
+    max_dead_slots: int = 64
+    """Wiped slots whose keys may still carry their bit (KVIndex.sweep clears them). A wipe
+    beyond this many pending ones is done at once instead (O(index), counted in
+    ``sync_wipes``): the bound keeps masks from widening without limit under a flapping
+    fleet (each slot number adds 4 bytes per 30 to the masks that reach it)."""
+    sweep_step: int = 2048
+    """Table slots (a dict table: keys) one sweep step reads (KVIndex.sweep). About 15-30 us
+    plus ~0.5 us per key it clears, after every applied batch."""
 
 
 class ReplicaStats(msgspec.Struct):
@@ -308,6 +323,10 @@ class ReplicaStats(msgspec.Struct):
     layout_hold: str | None = None
     """``outvoted`` or ``contested`` while its view keeps it from predicting
     (router.core.layout_quorum), else None."""
+    wipes: int = 0
+    """Wipes of this replica's state that took it a fresh slot at once (KVIndex._wipe)."""
+    sync_wipes: int = 0
+    """Wipes done by a scan of the whole index, every dead slot being in use."""
 
 
 @dataclass(slots=True)
@@ -382,17 +401,25 @@ class _Replica:
                 "closure_kept",
                 "witnessed_parents",
                 "implied_blocks",
+                "wipes",
+                "sync_wipes",
             ),
             0,
         )
     )
 
     def __post_init__(self) -> None:
-        self.mask_top = _mask_bytes(self.bit)
-        if self.bit < _SMALL_INT:
+        self.place(self.slot, self.bit)
+
+    def place(self, slot: int, bit: int) -> None:
+        """Take ``slot`` (its bit object ``bit``): on creation, and when a wipe gives the
+        replica a fresh slot (KVIndex._wipe)."""
+        self.slot, self.bit = slot, bit
+        self.mask_top = _mask_bytes(bit)
+        if bit < _SMALL_INT:
             self.mask_low = 0
         else:
-            digit_start = 1 << (_DIGIT_BITS * (self.slot // _DIGIT_BITS))
+            digit_start = 1 << (_DIGIT_BITS * (slot // _DIGIT_BITS))
             self.mask_low = max(_SMALL_INT, digit_start)
 
     @property
@@ -405,6 +432,37 @@ class _Replica:
         if not self.trusted or self.hold is not None:
             return "untrusted"
         return "partial" if self.partial_reason is not None else "exact"
+
+
+@dataclass(slots=True)
+class _Dead:
+    """A wiped slot whose bit some keys may still carry (KVIndex._wipe): no prediction reads
+    it (no replica has the bit), and the sweep clears it (KVIndex.sweep). The counts are what
+    is left to clear, kept exact as for a replica, so the slot is free again at 0."""
+
+    slot: int
+    bit: int
+    blocks: int
+    extra: int
+
+
+@dataclass(slots=True)
+class _Sweep:
+    """Where the sweep of dead bits stands: one pass over every table, in table order, each
+    table in bounded steps (a KeyTable by hash position, a dict over a copy of its keys)."""
+
+    bits: int
+    """Dead before the pass began: every key carrying one is visited by it, so they are free
+    when it ends (bits that die during the pass are cleared where met, freed by the next)."""
+    i: int = 0
+    """The table being swept: ``KVIndex._dicts[2 * i]``."""
+    table: object = None
+    """That table as the pass found it (a demoted KeyTable is swept again as a dict)."""
+    cursor: int = 0
+    """A KeyTable's next hash position (KeyTable.scan); a dict's next index into ``keys``."""
+    keys: list | None = None
+    """A dict table's keys when the pass reached it: those that can carry a bit dead then
+    (a key stored later carries only live bits)."""
 
 
 class _Tier:
@@ -541,7 +599,28 @@ class KVIndex:
         self._partial: dict[ReplicaKey, None] = {}
         """The partial replicas (those with ``children``), so a decision finds them in O(1)."""
         self._free_slots: list[int] = []
+        """A heap: the lowest free slot is taken first, so masks stay as narrow as they can."""
         self._next_slot = 0
+        self._dead: dict[int, _Dead] = {}
+        """Wiped slots still on some keys, by slot (KVIndex._wipe, KVIndex.sweep)."""
+        self.dead_bits = 0
+        """The bits of ``_dead``: on keys, read by no prediction, cleared by the sweep."""
+        self.live_bits = 0
+        """The bits of the replicas: a mask ANDed with it names holders only."""
+        self._sweep: _Sweep | None = None
+        self.wipes = 0
+        """Wipes that took a fresh slot at once (the old one left to the sweep)."""
+        self.sync_wipes = 0
+        """Wipes done at once by a scan of the index: ``max_dead_slots`` were pending."""
+        self.sweep_steps = 0
+        self.sweep_passes = 0
+        """Passes of the sweep over every table that ended (each frees the slots dead when
+        it began)."""
+        self.swept = 0
+        """Dead bits cleared from keys by the sweep."""
+        self.slot_moves = 0
+        """Bumped when a replica's slot bit changes (a wipe) or a slot is freed: holders of a
+        bit (router.core.speculative) check theirs are still what they were."""
         self._learned: dict[int, GroupSpec] = {}
         """The pool's learned groups: the view the layout quorum adopted (_settle)."""
         self._verdict: QuorumVerdict[ReplicaKey] | None = None
@@ -576,24 +655,33 @@ class KVIndex:
         """Give a replica (and DP rank) a slot; idempotent."""
         key = (name, dp_rank)
         if key not in self._replicas:
-            slot = self._free_slots.pop() if self._free_slots else self._next_slot
-            if slot == self._next_slot:
-                self._next_slot += 1
-            bit = 1 << slot
-            self._replicas[key] = _Replica(name, dp_rank, slot, self._bit_objs.setdefault(bit, bit))
+            slot, bit = self._take_slot()
+            self._replicas[key] = _Replica(name, dp_rank, slot, bit)
+            self.live_bits |= bit
             self._settle()  # one member more: a lone replica's layout becomes provisional
         return key
 
+    def _take_slot(self) -> tuple[int, int]:
+        """The lowest free slot (never a dead one) and its shared bit object."""
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+        else:
+            slot = self._next_slot
+            self._next_slot += 1
+        bit = 1 << slot
+        return slot, self._bit_objs.setdefault(bit, bit)
+
     def remove_replica(self, name: str, dp_rank: int | None = None) -> None:
-        """Forget a replica (all its DP ranks by default) and free its slots."""
+        """Forget a replica (all its DP ranks by default); its slots are free once no key
+        carries their bit (at once if it held nothing, else after the sweep)."""
         keys = [k for k in self._replicas if k[0] == name and dp_rank in (None, k[1])]
         if not keys:
             raise UnknownReplica(name if dp_rank is None else f"{name}/dp{dp_rank}")
         for key in keys:
             rep = self._replicas.pop(key)
             self._partial.pop(key, None)
-            self._wipe(rep)
-            self._free_slots.append(rep.slot)
+            self.live_bits &= ~rep.bit
+            self._wipe(rep, leaving=True)
         self._settle()  # its vote goes: the others' may now decide
 
     def replicas(self) -> list[ReplicaKey]:
@@ -1126,9 +1214,11 @@ class KVIndex:
                     for st in shared.values():  # a reset with reset_connector wipes the store
                         st.clear()
                     self.entries, rep.blocks, self.mask_bytes = entries, held, masks
-                    self._known_empty(rep)
+                    self._known_empty(rep)  # the replica may take a fresh slot (_wipe)
                     entries = self.entries
                     held, masks = 0, self.mask_bytes
+                    bit, slot = rep.bit, rep.slot
+                    top, low, above = rep.mask_top, rep.mask_low, bit << 1
                     counters["clears"] += 1
                 elif cls is UnknownEvent:
                     counters["unknown_events"] += 1
@@ -1156,6 +1246,8 @@ class KVIndex:
         if self.nbytes() > self.limits.max_bytes:
             while self.entries and self.nbytes() > 0.9 * self.limits.max_bytes:
                 self._reclaim()
+        if self.dead_bits:
+            self.sweep()
 
     def _apply_partial(self, key: ReplicaKey, rep: _Replica, events: Iterable[object]) -> None:
         """:meth:`apply_events` for a partial replica, keeping full attention ancestor-closed.
@@ -1691,12 +1783,50 @@ class KVIndex:
             label="ingest_exception",
         )
 
-    def _wipe(self, rep: _Replica) -> None:
-        """Drop every key and copy of ``rep``. This scans every table (O(index)), so a replica
-        that holds nothing is skipped: a hostile stream's run of broken frames, each one lost
-        events, would otherwise cost a full scan per frame on the serving loop."""
+    def _wipe(self, rep: _Replica, *, leaving: bool = False) -> None:
+        """Drop every key and copy of ``rep`` without scanning the index: its slot becomes
+        *dead* (no replica has its bit, so no prediction reads it) and the replica takes a
+        fresh slot at once, unless it is ``leaving`` (removed). The dead bit is cleared from
+        the keys by :meth:`sweep` in bounded steps (the first one here), and the slot is free
+        again when none is left. The accounts (``entries``, ``nbytes``) follow as the sweep
+        clears.
+
+        A replica holding nothing keeps its slot (nothing to clear). With ``max_dead_slots``
+        pending, the wipe is done at once instead, by a scan of every table (O(index),
+        counted in ``sync_wipes``)."""
         if not rep.blocks and not rep.extra:
+            if leaving:
+                self._release(rep.slot)
             return
+        if len(self._dead) >= self.limits.max_dead_slots:
+            self._wipe_now(rep)
+            self.sync_wipes += 1
+            rep.counters["sync_wipes"] += 1
+            if leaving:
+                self._release(rep.slot)
+            return
+        old = rep.slot
+        self._dead[old] = _Dead(old, rep.bit, rep.blocks, rep.extra)
+        self.dead_bits |= rep.bit
+        self.live_bits &= ~rep.bit
+        rep.blocks = rep.extra = 0
+        self.wipes += 1
+        rep.counters["wipes"] += 1
+        if not leaving:
+            slot, bit = self._take_slot()
+            rep.place(slot, bit)
+            self.live_bits |= bit
+        self.slot_moves += 1
+        self.generation += 1
+        self.sweep()  # a first step: a small index is clean at once
+
+    def _release(self, slot: int) -> None:
+        """``slot`` is on no key any more: it may be given again (lowest first)."""
+        heapq.heappush(self._free_slots, slot)
+        self.slot_moves += 1
+
+    def _wipe_now(self, rep: _Replica) -> None:
+        """Clear ``rep``'s bit from every key now, keeping its slot: a scan of every table."""
         bit, slot, keep, bit_objs = rep.bit, rep.slot, ~rep.bit, self._bit_objs
         top, above = rep.mask_top, bit << 1
         masks = 0  # the change to the account
@@ -1724,6 +1854,122 @@ class KVIndex:
         rep.blocks = rep.extra = 0
         self.mask_bytes += masks
         self.generation += 1
+
+    def sweep(self, budget: int | None = None) -> bool:
+        """One bounded step of clearing dead bits from keys (:meth:`_wipe`): reads about
+        ``budget`` table slots (``IndexLimits.sweep_step`` by default) and clears the dead
+        bits of the keys among them. Returns whether dead slots remain (call again).
+
+        The ingest runs a step after every batch; the server also runs steps on a timer
+        (router.server.sweep), so a quiet pool frees its dead slots too. Pure bookkeeping:
+        predictions never read a dead bit, whether or not it was cleared yet."""
+        if not self.dead_bits:
+            return False
+        st = self._sweep
+        if st is None:
+            st = self._sweep = _Sweep(self.dead_bits)
+        left = self.limits.sweep_step if budget is None else max(1, budget)
+        dicts = self._dicts
+        self.sweep_steps += 1
+        while left > 0 and st.bits:
+            if 2 * st.i >= len(dicts):
+                break
+            table, extra = dicts[2 * st.i], dicts[2 * st.i + 1]
+            if table is not st.table:  # the next table, or this one turned into a dict
+                st.table, st.cursor, st.keys = table, 0, None
+            if not table:
+                done = True
+                pairs: list = []
+            elif type(table) is dict:
+                if st.keys is None:
+                    st.keys = list(table)
+                chunk = st.keys[st.cursor : st.cursor + left]
+                st.cursor += len(chunk)
+                left -= len(chunk)
+                done = st.cursor >= len(st.keys)
+                dead = self.dead_bits
+                pairs = [(h, m) for h in chunk if (m := table.get(h, 0)) & dead]
+            else:
+                cap = table.capacity  # type: ignore[attr-defined]
+                pairs, nxt = table.scan(st.cursor, left, self.dead_bits)  # type: ignore[attr-defined]
+                done = nxt is None
+                left -= left if not done else max(1, ((1 << 64) - st.cursor) * cap >> 64)
+                if not done:
+                    st.cursor = nxt
+            if pairs:
+                self._clear_dead(table, extra, pairs)
+            if done:
+                if type(table) is not dict and table:
+                    table.shrink()  # type: ignore[attr-defined]
+                st.i += 1
+                st.table, st.cursor, st.keys = None, 0, None
+        if not st.bits or 2 * st.i >= len(dicts):
+            self._end_pass(st)
+        return bool(self.dead_bits)
+
+    def _clear_dead(self, table: HashTable, extra: dict, pairs: list[tuple[object, int]]) -> None:
+        """Clear the dead bits of ``pairs`` (keys of ``table`` with their masks as read)."""
+        dead_bits, bit_objs, dead_of = self.dead_bits, self._bit_objs, self._dead
+        masks = 0
+        for h, m in pairs:
+            gone = m & dead_bits
+            if not gone:
+                continue
+            rest = m ^ gone
+            masks += _held_bytes(rest) - _held_bytes(m)
+            if not rest:
+                del table[h]
+                self.entries -= 1
+            elif not rest & (rest - 1):  # one holder left: its shared bit
+                table[h] = bit_objs.get(rest, rest)
+            else:
+                table[h] = rest
+            while gone:
+                low = gone & -gone
+                gone ^= low
+                d = dead_of[low.bit_length() - 1]
+                d.blocks -= 1
+                if extra:
+                    c = extra.pop((d.slot, h), None)
+                    if c is not None:
+                        self.extra_entries -= c - 1
+                        d.extra -= c - 1
+                self.swept += 1
+                if not d.blocks and not d.extra:
+                    self._free_dead(d)
+                    dead_bits = self.dead_bits
+        self.mask_bytes += masks
+        self.generation += 1
+
+    def _free_dead(self, d: _Dead) -> None:
+        """No key carries ``d``'s bit any more: its slot is free."""
+        del self._dead[d.slot]
+        self.dead_bits &= ~d.bit
+        if self._sweep is not None:
+            self._sweep.bits &= ~d.bit
+        self._release(d.slot)
+
+    def _end_pass(self, st: _Sweep) -> None:
+        """A pass visited every table: the slots dead when it began are on no key now."""
+        self._sweep = None
+        self.sweep_passes += 1
+        bits = st.bits
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            d = self._dead.get(low.bit_length() - 1)
+            if d is None:
+                continue
+            if d.blocks or d.extra:  # the counts disagree with the pass: a bug, said loudly
+                log.error(
+                    "pool %r: dead slot %d still counts %d keys and %d copies after a full "
+                    "sweep; freeing it", self.pool, d.slot, d.blocks, d.extra,
+                )  # fmt: skip
+            self._free_dead(d)
+
+    def dead_slots(self) -> int:
+        """Wiped slots the sweep has not freed yet (their bits are still on some keys)."""
+        return len(self._dead)
 
     def _demote(self, table: HashTable) -> dict:
         """Replace the KeyTable ``table`` by a dict holding the same keys, for a key it cannot
@@ -1758,7 +2004,8 @@ class KVIndex:
             key=lambda te: len(te[0]),
         )
         victims = _pop_some(table, max(1, len(table) // 10))
-        by_slot = {rep.slot: rep for rep in self._replicas.values()}
+        by_slot: dict[int, _Replica | _Dead] = {r.slot: r for r in self._replicas.values()}
+        by_slot.update(self._dead)
         for h, m in victims:
             self.mask_bytes -= _held_bytes(m)
             while m:
@@ -1770,6 +2017,9 @@ class KVIndex:
                 if c is not None:
                     self.extra_entries -= c - 1
                     rep.extra -= c - 1
+        for d in list(self._dead.values()):
+            if not d.blocks and not d.extra:
+                self._free_dead(d)
         self.entries -= len(victims)
         self.reclaimed += len(victims)
         log.warning(

@@ -543,6 +543,7 @@ class Predictor:
                     m &= index.table(tier, g).get(h, 0)
                 held |= m
             break  # the first block alone
+        held &= index.live_bits  # a wiped slot's bit waiting for the sweep names nobody
         holders = []
         while held > 0:
             low = held & -held

@@ -56,7 +56,7 @@ from events.retention import reachable_boundaries, retained_blocks
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from events.stream import StreamBatch, StreamItem
 from router.core.hybrid import HitResult
-from router.core.index import KVIndex, ReplicaKey
+from router.core.index import KVIndex, ReplicaKey, UnknownReplica
 from router.core.predict import Prediction, Predictor
 from router.core.shared_tier import SharedTier
 
@@ -144,6 +144,10 @@ class _View:
     def slot_bit(self, key: ReplicaKey) -> int:
         return self._index.slot_bit(key)
 
+    @property
+    def live_bits(self) -> int:
+        return self._index.live_bits
+
     def tiers_in_use(self) -> list[str]:
         return self._index.tiers_in_use()
 
@@ -200,6 +204,7 @@ class SpeculativeOverlay:
         self.confirmed = 0
         self.expired = 0
         """Insertions retired by a clock (the grace after their answer, or ``hold_s``)."""
+        self._moves = index.slot_moves
 
     def __len__(self) -> int:
         """Live (group, hash, replica) entries."""
@@ -241,7 +246,12 @@ class SpeculativeOverlay:
             del self._firsts[ins.first]
 
     def expire(self) -> None:
-        """Drop insertions past their time (called by every other entry point)."""
+        """Drop insertions past their time (called by every other entry point), and those
+        whose replica's slot bit changed since (a wipe gives the replica a fresh one, and the
+        old may later be another replica's: router.core.index KVIndex._wipe)."""
+        if self.index.slot_moves != self._moves:
+            self._moves = self.index.slot_moves
+            self._retire_moved()
         now = self._clock()
         for queue in (self._in_flight, self._fifo):
             while queue:
@@ -252,6 +262,18 @@ class SpeculativeOverlay:
                     self.expired += 1
                     self._retire(ins)
                 queue.popleft()  # retired, or finished (it waits in the other queue)
+
+    def _retire_moved(self) -> None:
+        index = self.index
+        for queue in (self._in_flight, self._fifo):
+            for ins in queue:
+                if ins.live:
+                    try:
+                        moved = index.slot_bit(ins.key) != ins.bit
+                    except UnknownReplica:
+                        moved = True
+                    if moved:
+                        self._retire(ins)
 
     def record(
         self,

@@ -48,6 +48,7 @@ from router.server.persist import load_snapshot, snapshot_forever, write_snapsho
 from router.server.proxy import Proxy
 from router.server.scrape import scrape_forever
 from router.server.state import RouterState
+from router.server.sweep import sweep_forever
 from router.server.ui import UI_PATHS, install_ui
 from router.version import kvrouter_version
 
@@ -85,7 +86,7 @@ def create_app(config: RouterConfig) -> Any:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.start(await load_snapshot(config))
         loop = asyncio.get_running_loop()
-        tasks = []
+        tasks = [loop.create_task(sweep_forever(state))]
         if config.server.metrics_scrape_interval_s > 0:
             tasks.append(loop.create_task(scrape_forever(state)))
         if config.health.probe_interval_s > 0:

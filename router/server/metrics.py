@@ -66,6 +66,28 @@ class _StateCollector(Collector):
             "Bound on the chain steps the block-hash memo holds",
             labels=["pool"],
         )
+        wipes = CounterMetricFamily(
+            "kvrouter_index_wipes",
+            "Replica state wipes: deferred (a fresh slot at once, the old bit swept in steps) or"
+            " sync (a scan of the whole index: max_dead_slots were pending)",
+            labels=["pool", "mode"],
+        )
+        sweep_steps = CounterMetricFamily(
+            "kvrouter_index_sweep_steps", "Bounded steps of the dead-bit sweep", labels=["pool"]
+        )
+        sweep_passes = CounterMetricFamily(
+            "kvrouter_index_sweeps",
+            "Sweep passes over every table that ended (each frees the slots dead at its start)",
+            labels=["pool"],
+        )
+        swept = CounterMetricFamily(
+            "kvrouter_index_swept_keys", "Dead bits the sweep cleared from keys", labels=["pool"]
+        )
+        dead = GaugeMetricFamily(
+            "kvrouter_index_dead_slots",
+            "Wiped slots whose bit some keys still carry (read by no prediction)",
+            labels=["pool"],
+        )
         homes = GaugeMetricFamily(
             "kvrouter_prefix_home_chunks",
             "Prompt chunks whose first routing the pool remembers (router.core.affinity; bounded"
@@ -136,6 +158,14 @@ class _StateCollector(Collector):
                 for key, family in health:
                     family.add_metric([name, h["replica"]], float(h[key]))
             entries.add_metric([name], pool["entries"])
+            w = pool.get("wipes")
+            if w is not None:
+                wipes.add_metric([name, "deferred"], w["deferred"])
+                wipes.add_metric([name, "sync"], w["sync"])
+                sweep_steps.add_metric([name], w["sweep_steps"])
+                sweep_passes.add_metric([name], w["sweep_passes"])
+                swept.add_metric([name], w["swept_keys"])
+                dead.add_metric([name], w["dead_slots"])
             nbytes.add_metric([name], pool["bytes"])
             for (rname, rk), n in (pool.get("prefix_homes") or {}).items():
                 homes.add_metric([name, rname, str(rk)], n)
@@ -170,6 +200,8 @@ class _StateCollector(Collector):
                     "implied_blocks",
                     "resets",
                     "late_attaches",
+                    "wipes",
+                    "sync_wipes",
                 ):
                     outcomes.add_metric([*rep, outcome], getattr(rs, outcome))
             keys = pool.get("stream_keys", {})
@@ -192,6 +224,7 @@ class _StateCollector(Collector):
                 ):
                     gaps.add_metric([*rep, kind], getattr(st, kind))
         yield from (entries, nbytes, memo_steps, memo_capacity, homes)
+        yield from (wipes, sweep_steps, sweep_passes, swept, dead)
         yield from (events, outcomes, lag, gaps)
         yield from (trusted, trust_state, ingest, layout_status, layout_views, layout_held)
         yield from (family for _, family in health)
