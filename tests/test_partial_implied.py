@@ -19,7 +19,7 @@ from events.hashing import BlockHasher
 from events.layout import GroupKind, GroupSpec, ModelLayout
 from events.schema import BlockRemoved, BlockStored
 from router.core.hybrid import implied_by_held
-from router.core.index import KVIndex
+from router.core.index import IndexLimits, KVIndex
 from router.core.predict import Predictor
 from tests.test_predict import stored as stored_in
 
@@ -42,8 +42,8 @@ def removed(group: int, hashes: list[int]) -> BlockRemoved:
     return BlockRemoved(block_hashes=hashes, medium="GPU", group_idx=group)
 
 
-def fresh() -> KVIndex:
-    index = KVIndex(LAYOUT, verify_hashes=False)
+def fresh(**limits: int) -> KVIndex:
+    index = KVIndex(LAYOUT, verify_hashes=False, limits=IndexLimits(**limits))
     index.add_replica("A")
     index.add_replica("B")
     index.attached_late(A, "test")
@@ -95,6 +95,23 @@ def test_a_window_block_removed_since_attach_is_not_implied() -> None:
     # stored again: known, and its window is held again
     index.apply_events(A, [stored(1, [c[4]], c[3])])
     assert hits(index, other)[A] == 96
+
+
+def test_past_its_bound_of_removals_a_replica_implies_no_window() -> None:
+    """``gone`` is bounded (memory per partial replica): past it nothing is implied through
+    windows, since an unrecorded removal could make an implied block a lie; full attention
+    needs no record and goes on."""
+    index = fresh(max_partial_removals=3)
+    served(index, SYSTEM + list(range(40)), 6)
+    index.apply_events(A, [removed(1, [10**6 + i]) for i in range(3)])
+    assert index.gone(A) is not None and len(index.gone(A)) == 3
+    index.apply_events(A, [removed(1, [10**6 + 3])])
+    assert index.gone(A) is None
+    other = SYSTEM + list(range(500, 520))
+    c = chain(other)
+    keys = Predictor(index).implied_keys(other, None, [A])
+    assert sorted(keys[A]) == sorted((0, c[j]) for j in range(5))  # no window block
+    assert hits(index, other) == {A: 0, B: 0}  # the window at 96 lacks blocks 3 and 4
 
 
 def test_an_implied_window_block_implies_nothing_itself() -> None:

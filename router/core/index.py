@@ -269,6 +269,11 @@ class IndexLimits:
     """Full-attention parents whose stored children a *partial* replica's index remembers
     (KVIndex._close_ancestors); past it the oldest are forgotten (predictions stay a lower
     bound, only less often exact). About 150 bytes each."""
+    max_partial_removals: int = 1 << 14
+    """Sliding-window keys a *partial* replica's index remembers as removed since attach
+    (``_Replica.gone``, about 130 bytes each): past it, windows are no longer implied for that
+    replica (router.core.predict.Predictor.implied_keys; full attention and witnessed parents
+    go on). Implication matters most just after attach, so the bound is small."""
     max_dead_slots: int = 64
     """Wiped slots whose keys may still carry their bit (KVIndex.sweep clears them). A wipe
     beyond this many pending ones is done at once instead (O(index), counted in
@@ -373,10 +378,11 @@ class _Replica:
     """While partial: full-attention ``(group, parent hash) -> child hashes`` seen stored, the
     witnesses of KVIndex._close_ancestors (None while exact or untrusted)."""
     gone: set[tuple[int, object]] | None = None
-    """While partial: the GPU ``(group, hash)`` keys whose removal since attach left the index
-    without them (KVIndex.gone). A block cached before attach that is named only as an
-    ancestor is implied present unless it is here; None while exact or untrusted, and once
-    more than ``IndexLimits.max_closure_parents`` were seen (nothing is implied from then)."""
+    """While partial: the GPU sliding-window ``(group, hash)`` keys whose removal since attach
+    left the index without them (KVIndex.gone). A block cached before attach that is named
+    only as an ancestor is implied present unless it is here; None while exact or untrusted,
+    and once more than ``IndexLimits.max_partial_removals`` were seen (nothing is implied
+    through windows from then)."""
     anchors: set[tuple[int, object]] | None = None
     """While partial: the held sliding-window keys whose window vLLM held when they were
     stored (stored since attach, or a store's parent), the only ones that imply the blocks
@@ -1316,17 +1322,19 @@ class KVIndex:
         ``BlockRemoved`` like any key (``witnessed_parents``). A parent removed later in the
         same batch proves nothing about the state after it and is skipped.
 
-        ``gone`` collects the keys of these groups whose removal left the index without
+        ``gone`` collects the sliding-window keys whose removal left the index without
         them, and drops those held again: the keys :meth:`Predictor.implied_keys` may not
-        imply. Past ``IndexLimits.max_closure_parents`` of them it is dropped (None) and
+        imply. Past ``IndexLimits.max_partial_removals`` of them it is dropped (None) and
         nothing is implied through windows any more (full attention needs no such record)."""
         parents: dict[tuple[int, object], bool] = {}
         removed: list[tuple[int, object]] = []
         stored: list[tuple[int, object]] = []
+        fa = self._fa_groups()
         for g, ev, spec in self._gpu_chain_events(events, groups):
             if spec is None:  # a removal
                 for h in ev.block_hashes:
-                    removed.append((g, h))
+                    if g not in fa:  # full attention is ancestor-closed: no record needed
+                        removed.append((g, h))
                     if (g, h) in parents:
                         parents[(g, h)] = False
                 continue
@@ -1357,7 +1365,7 @@ class KVIndex:
             else:
                 gone.add((g, h))
                 anchors.discard((g, h))
-        if len(gone) > self.limits.max_closure_parents:
+        if len(gone) > self.limits.max_partial_removals:
             rep.gone = rep.anchors = None
             log.info(
                 "pool %r replica %s/dp%d: over %d blocks removed since attach; sliding-window "
@@ -1365,7 +1373,7 @@ class KVIndex:
                 self.pool,
                 rep.name,
                 rep.dp_rank,
-                self.limits.max_closure_parents,
+                self.limits.max_partial_removals,
             )
 
     def _closure_scan(

@@ -716,9 +716,8 @@ class PoolState:
         reason: str | None = None,
     ) -> RouteChoice:
         pred = spec = insertion = new_homes = None
-        if token_ids and self.index.partial_replicas():
-            self.imply_partial(token_ids, body)
         if token_ids:
+            self.imply_partial(token_ids, body)
             overlay = self.speculative
             homes = self.homes
             home_keys = homes.keys(token_ids) if homes is not None else []
