@@ -275,6 +275,9 @@ def run_replicas(replicas: int, args: argparse.Namespace) -> tuple[list[dict], d
     for t in args.tokens:
         store(pool, stored[t])  # each on two replicas; hashed by the pool's own hasher
         store(pool, halves[t])
+    if args.partial:  # a router attached late: decisions also imply (Predictor.implied_keys)
+        for key in pool.index.replicas():
+            pool.index.attached_late(key, "fleet bench --partial")
     progress(
         f"{replicas} replicas: {mem['pairs']:,} (replica, block) pairs, "
         f"{mem['measured_b_per_pair']:.1f} B each (index estimate "
@@ -308,7 +311,7 @@ def markdown(doc: dict) -> str:
         "",
         f"`{doc['command']}` on {doc['meta']['cores']} cores, Python {doc['meta']['python']}.",
         f"Pool: {w['layout']}; policy defaults (speculation off, prefix homes on). "
-        f"Background per replica: {w['background']}.",
+        f"Background per replica: {w['background']}. Replicas: {w.get('trust', 'exact')}.",
         "",
         f"## Decision (`PoolState.decide`), µs; up to {a['n']} decisions per cell",
         "",
@@ -355,6 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--removals", type=int, default=200_000, help="blocks removed per size")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="JSON path; .md and .png beside it")
+    ap.add_argument("--partial", action="store_true",
+                    help="every replica partial (attached late): decisions pay the implication "
+                         "of partial replicas' keys (docs/live-fleet.md)")  # fmt: skip
     ap.add_argument("--quick", action="store_true",
                     help="8 and 64 replicas, 2k tokens, 40 decisions per cell")  # fmt: skip
     args = ap.parse_args(argv)
@@ -388,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"per conversation"
             ),
             "stored_prompts": f"{PROMPTS} per length, each on two replicas",
+            "trust": "every replica partial (attached late)" if args.partial else "exact",
         },
         "cells": cells,
         "index": index,

@@ -12,7 +12,7 @@ full-attention block and the 3 window blocks ending there):
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.hashing import BlockHasher
@@ -141,6 +141,68 @@ def test_an_exact_replica_takes_no_witness() -> None:
     index.apply_events(B, [stored(0, c[6:], c[5])])
     assert index.trust(B) == "exact" and not index.copies(B, 0, c[5])
     assert index.partial_replicas() == [A]
+
+
+def reference_implied(
+    index: KVIndex, tokens: list[int], replicas: list[tuple[str, int]]
+) -> dict[tuple[str, int], set[tuple[int, int]]]:
+    """implied_keys, replica by replica from the pure rule (:func:`implied_by_held`)."""
+    c = chain(tokens)
+    out: dict[tuple[str, int], set[tuple[int, int]]] = {}
+    for r in replicas:
+        bit = index.slot_bit(r)
+        for g, spec in enumerate((FA, SWA)):
+            held = [bool(index.table("GPU", g).get(w, 0) & bit) for w in c]
+            if g == 0:
+                implied = implied_by_held(spec, held)
+            else:
+                gone, anchors = index.gone(r), index.anchors(r)
+                if gone is None:
+                    continue
+                anchored = [h and (1, w) in anchors for h, w in zip(held, c, strict=True)]
+                implied = [
+                    j
+                    for j in implied_by_held(spec, anchored)
+                    if not held[j] and (1, c[j]) not in gone
+                ]
+            if implied:
+                out.setdefault(r, set()).update((g, c[j]) for j in implied)
+    return out
+
+
+runs = st.tuples(st.integers(0, 11), st.integers(1, 6), st.booleans())
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    stores=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), runs), max_size=12),
+    removals=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(0, 11))),
+    learned=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(0, 11))),
+)
+def test_implied_keys_equal_the_rule_replica_by_replica(stores, removals, learned) -> None:
+    """The one-pass implication (all partial replicas at once) against the pure rule applied
+    to each replica: random stores (runs of the chain, with or without their parent), keys
+    learned from answers (held, no anchor) and removals on four partial replicas and an exact
+    one."""
+    index = KVIndex(LAYOUT, verify_hashes=False)
+    keys = [index.add_replica(f"r{i}") for i in range(5)]
+    for key in keys[:4]:
+        index.attached_late(key, "test")
+    tokens = list(range(200, 200 + 12 * 16))
+    c = chain(tokens)
+    for who, g, (start, length, with_parent) in stores:
+        parent = c[start - 1] if start and with_parent else None
+        index.apply_events(keys[who], [stored(g, c[start : start + length], parent)])
+    for who, g, j in learned:
+        index.infer(keys[who], [(g, c[j])])
+    for who, g, j in removals:
+        index.apply_events(keys[who], [removed(g, [c[j]])])
+    partial = index.partial_replicas()
+    got = Predictor(index).implied_keys(tokens, None, partial)
+    assert {r: set(ks) for r, ks in got.items()} == reference_implied(index, tokens, partial)
+    for ks in got.values():  # full-attention keys in chain order (the index links them)
+        fa = [c.index(h) for g, h in ks if g == 0]
+        assert fa == sorted(fa)
 
 
 @given(

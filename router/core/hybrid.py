@@ -547,6 +547,11 @@ def blocks_behind_hit(layout: ResolvedLayout, hit_tokens: int) -> list[tuple[int
     return out
 
 
+def window_blocks(spec: GroupSpec) -> int:
+    """Cached blocks in a row a sliding-window hit needs, ending at the hit (no EAGLE)."""
+    return _window_need(spec, False)
+
+
 def implied_by_held(spec: GroupSpec, held: Sequence[bool]) -> list[int]:
     """The blocks of one group a replica holds because of the blocks it holds (``held[j]``:
     block ``j`` of the request's chain is held), not yet in ``held``: what a *partial*

@@ -1670,7 +1670,7 @@ class KVIndex:
         tier = self._tiers["GPU"]
         added = 0
         keys = list(keys)
-        if rep.children is not None:  # consecutive full-attention keys: parent and child
+        if rep.children is not None:  # FA keys in chain order: each an ancestor of the next
             fa, prev = self._fa_groups(), {}
             for g, h in keys:
                 if g in fa:

@@ -14,11 +14,11 @@ then only probes the few sliding-window / Mamba blocks it needs, from a shared m
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from events.hashing import BlockHasher, LazyChain, RequestKeys
-from events.layout import ResolvedLayout
+from events.layout import SLIDING_KINDS, ResolvedLayout
 from router.core.external import (
     ExternalHit,
     connector_load,
@@ -31,7 +31,7 @@ from router.core.hybrid import (
     blocks_behind_hit,
     find_longest_cache_hit,
     group_blind_hit,
-    implied_by_held,
+    window_blocks,
 )
 from router.core.index import KVIndex, ReplicaKey, leading_walk
 
@@ -269,6 +269,77 @@ class _AnyPresence:
         return min(n_max, stopped.get(self.bit, walked))
 
 
+IMPLY_LOOKAHEAD = 64
+"""Blocks into a held run :meth:`Predictor.implied_keys` looks for a sliding-window anchor."""
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low
+        mask ^= low
+
+
+def _imply_ancestors(
+    g: int,
+    wires: list[object],
+    masks: list[int],
+    owner: dict[int, ReplicaKey],
+    out: dict[ReplicaKey, list[tuple[int, object]]],
+) -> None:
+    """Full attention: a block a replica lacks below one it holds (from the chain's end
+    down, ``after`` = the replicas holding a later block). Emitted in chain order: the
+    index links consecutive keys of a replica as parent and descendant."""
+    after = 0
+    holes: list[tuple[int, int]] = []
+    for j in range(len(masks) - 1, -1, -1):
+        m = masks[j]
+        lack = after & ~m
+        if lack:
+            holes.append((j, lack))
+        after |= m
+    for j, lack in reversed(holes):
+        for bit in _bits(lack):
+            out.setdefault(owner[bit], []).append((g, wires[j]))
+
+
+def _imply_windows(
+    index: KVIndex,
+    g: int,
+    wires: list[object],
+    masks: list[int],
+    owner: dict[int, ReplicaKey],
+    need: int,
+    out: dict[ReplicaKey, list[tuple[int, object]]],
+) -> None:
+    """Sliding window: where a replica's held run starts after a hole, the first anchor in
+    the run's first ``need - 1`` blocks implies the window below it (the blocks of the run are
+    held already; those below it, down to ``anchor - need + 1``, are the implied ones)."""
+    reach = min(need - 1, IMPLY_LOOKAHEAD)
+    blocks = len(masks)
+    prev = 0
+    for j in range(blocks):
+        m = masks[j]
+        starts = m & ~prev
+        prev = m
+        if not j or not starts:
+            continue
+        for bit in _bits(starts):
+            r = owner[bit]
+            gone, anchors = index.gone(r), index.anchors(r)
+            if gone is None or not anchors:
+                continue
+            for q in range(j, min(j + reach, blocks)):
+                if not masks[q] & bit:
+                    break
+                if (g, wires[q]) in anchors:
+                    for i in range(max(0, q - need + 1), j):
+                        w = wires[i]
+                        if not masks[i] & bit and (g, w) not in gone:
+                            out.setdefault(r, []).append((g, w))
+                    break
+
+
 class Predictor:
     """Predicts hits for one pool's index (reads it; never writes it)."""
 
@@ -305,47 +376,44 @@ class Predictor:
         """Per *partial* replica, the GPU ``(group, wire hash)`` keys of this request's chain
         it holds by vLLM's cache structure (:func:`router.core.hybrid.implied_by_held`) but the
         index lacks: blocks cached before attach whose descendants an event, a store's parent
-        or an answer showed. Sliding-window blocks removed since attach (``KVIndex.gone``)
-        are left out. The caller records them (``KVIndex.infer``), so the prediction that
-        follows sees them and their ``BlockRemoved`` retires them.
+        or an answer showed. Full attention: every block below a held one. Sliding window: the
+        window below an *anchor* (``KVIndex.anchors``), except blocks removed since attach
+        (``KVIndex.gone``). The caller records them (``KVIndex.infer``), so the prediction
+        that follows sees them and their ``BlockRemoved`` retires them.
 
-        It reads the whole chain (hashing all of the prompt), so it is for partial replicas
-        only; nothing when the layout is unknown or its rule is not the plain one."""
+        The work does not grow with the replicas: one pass over the chain's masks (restricted
+        to the partial replicas' bits) finds the holes below held blocks for all of them at
+        once, and only a replica with a hole is looked at alone. It reads the whole chain
+        (hashing all of the prompt), so it runs only while some replica is partial; nothing
+        when the layout is unknown or its rule is not the plain one. A window longer than
+        :data:`IMPLY_LOOKAHEAD` blocks is looked for anchors only that far into a run (fewer
+        keys implied, never a wrong one)."""
         index = self.index
         layout, hasher = index.layout, self.hasher()
         if layout is None or hasher is None or not replicas or not token_ids:
             return {}
         if layout.partial_hits or any(sg.spec.eagle for sg in layout.spec_groups):
             return {}
+        owner = {index.slot_bit(r): r for r in replicas}
+        partial = 0
+        for bit in owner:
+            partial |= bit
         chain = hasher.lazy_chain(token_ids, keys)
         h, n = layout.hash_block_size, len(token_ids)
         out: dict[ReplicaKey, list[tuple[int, object]]] = {}
         for sg in layout.spec_groups:
             spec = sg.spec
+            if not spec.is_fa_type and spec.kind not in SLIDING_KINDS:
+                continue
             k, blocks = spec.block_size // h, n // spec.block_size
             for g in sg.group_ids:
                 table = index.table("GPU", g)
                 wires = [chain.wire((j + 1) * k - 1) for j in range(blocks)]
-                masks = [table.get(w, 0) for w in wires]
-                for r in replicas:
-                    bit = index.slot_bit(r)
-                    held = [bool(m & bit) for m in masks]
-                    if spec.is_fa_type:
-                        implied = implied_by_held(spec, held)
-                    else:  # only a window vLLM held when its last block was stored
-                        gone, anchors = index.gone(r), index.anchors(r)
-                        if gone is None or not anchors:
-                            continue
-                        anchored = [
-                            h and (g, w) in anchors for h, w in zip(held, wires, strict=True)
-                        ]
-                        implied = [
-                            j
-                            for j in implied_by_held(spec, anchored)
-                            if not held[j] and (g, wires[j]) not in gone
-                        ]
-                    if implied:
-                        out.setdefault(r, []).extend((g, wires[j]) for j in implied)
+                masks = [table.get(w, 0) & partial for w in wires]
+                if spec.is_fa_type:
+                    _imply_ancestors(g, wires, masks, owner, out)
+                else:
+                    _imply_windows(index, g, wires, masks, owner, window_blocks(spec), out)
         return out
 
     def predict(
