@@ -398,17 +398,20 @@ class Predictor:
         partial = 0
         for bit in owner:
             partial |= bit
-        chain = hasher.lazy_chain(token_ids, keys)
-        h, n = layout.hash_block_size, len(token_ids)
+        fine = hasher.lazy_chain(token_ids, keys).wires()  # all of it, hashed in runs
+        h = layout.hash_block_size
+        by_stride: dict[int, list[object]] = {}
         out: dict[ReplicaKey, list[tuple[int, object]]] = {}
         for sg in layout.spec_groups:
             spec = sg.spec
             if not spec.is_fa_type and spec.kind not in SLIDING_KINDS:
                 continue
-            k, blocks = spec.block_size // h, n // spec.block_size
+            k = spec.block_size // h
+            wires = by_stride.get(k)
+            if wires is None:
+                wires = by_stride[k] = fine[k - 1 :: k]
             for g in sg.group_ids:
                 table = index.table("GPU", g)
-                wires = [chain.wire((j + 1) * k - 1) for j in range(blocks)]
                 masks = [table.get(w, 0) & partial for w in wires]
                 if spec.is_fa_type:
                     _imply_ancestors(g, wires, masks, owner, out)
