@@ -149,6 +149,14 @@ def _mask_bytes(m: int) -> int:
     return _INT_BASE + _DIGIT_BYTES * (-(-m.bit_length() // _DIGIT_BITS))
 
 
+def iter_bits(mask: int) -> Iterator[int]:
+    """The set bits of a non-negative replica mask, lowest first, each as ``1 << slot``."""
+    while mask:
+        low = mask & -mask
+        yield low
+        mask ^= low
+
+
 #: Set to "0" to keep the index's tables in dicts even where router.core._keytable is built.
 NATIVE_INDEX_ENV = "KVROUTER_NATIVE_INDEX"
 
@@ -318,7 +326,7 @@ class ReplicaStats(msgspec.Struct):
     child proved was not its last copy (KVIndex._close_ancestors)."""
     witnessed_parents: int = 0
     """Keys a partial replica's stores named as their parent while the index did not hold
-    them: blocks cached before attach, proved present by the store (KVIndex._witness_scan)."""
+    them: blocks cached before attach, proved present by the store (KVIndex._settle_partial)."""
     implied_blocks: int = 0
     """Keys a partial replica holds by vLLM's cache structure, implied by held keys when a
     request's prefix named them (Predictor.implied_keys, KVIndex.infer)."""
@@ -438,6 +446,21 @@ class _Replica:
         if not self.trusted or self.hold is not None:
             return "untrusted"
         return "partial" if self.partial_reason is not None else "exact"
+
+
+@dataclass(slots=True)
+class _PartialScan:
+    """What one pass over a partial replica's batch found (KVIndex._partial_scan), for
+    KVIndex._close_ancestors and KVIndex._settle_partial after the batch is applied."""
+
+    watch: list[tuple[int, object]] = field(default_factory=list)
+    """Full-attention keys the batch removed that have recorded children."""
+    parents: dict[tuple[int, object], bool] = field(default_factory=dict)
+    """Keys the stores named as parent (implying groups), False if removed later in it."""
+    stored: list[tuple[int, object]] = field(default_factory=list)
+    """Sliding-window keys stored (anchors if still held after the batch)."""
+    removed: list[tuple[int, object]] = field(default_factory=list)
+    """Sliding-window keys removed (gone if not held after the batch)."""
 
 
 @dataclass(slots=True)
@@ -1271,21 +1294,18 @@ class KVIndex:
         kept (``closure_kept``). Checked after the batch, so a child removed later in the
         same batch only makes the answer more cautious, never wrong."""
         events = events if isinstance(events, list) else list(events)
-        fa = self._fa_groups()
         children, rep.children = rep.children, None
-        watch = self._closure_scan(children, events, fa) if fa and children is not None else []
+        scan = self._partial_scan(children, events) if children is not None else None
         try:
             self.apply_events(key, events)
         finally:
             if rep.trusted and rep.partial_reason is not None and rep.children is None:
                 rep.children = children
-        if rep.children is None:
+        if rep.children is None or scan is None:
             return  # a clear made it exact, or it was distrusted: nothing more to keep
-        if watch:
-            self._close_ancestors(rep, rep.children, watch)
-        groups = self._implying_groups()
-        if groups:
-            self._witness_scan(rep, events, groups)
+        if scan.watch:
+            self._close_ancestors(rep, rep.children, scan.watch)
+        self._settle_partial(rep, scan)
 
     def _fa_groups(self) -> frozenset[int]:
         """Group ids of the pool's full-attention-type groups (empty while not learned)."""
@@ -1310,9 +1330,45 @@ class KVIndex:
             for g in sg.group_ids
         )
 
-    def _witness_scan(self, rep: _Replica, events: list, groups: frozenset[int]) -> None:
+    def _partial_scan(
+        self, children: dict[tuple[int, object], list[object]], events: list
+    ) -> _PartialScan:
+        """One pass over a partial replica's batch, before it is applied: record the
+        parent -> child links its full-attention stores show (a dense store of full blocks:
+        its parent, then each hash the parent of the next) and note what
+        :meth:`_settle_partial` needs after it: the removed keys that have recorded children
+        (for :meth:`_close_ancestors`), the parents the stores named, and the sliding-window
+        keys stored and removed."""
+        scan = _PartialScan()
+        fa, implying = self._fa_groups(), self._implying_groups()
+        cap = self.limits.max_closure_parents
+        parents = scan.parents
+        for g, ev, spec in self._gpu_chain_events(events, fa | implying):
+            if spec is None:  # a removal
+                for h in ev.block_hashes:
+                    if (g, h) in children:
+                        scan.watch.append((g, h))
+                    if g not in fa:  # full attention is ancestor-closed: no record needed
+                        scan.removed.append((g, h))
+                    if (g, h) in parents:
+                        parents[(g, h)] = False
+                continue
+            prev = ev.parent_block_hash
+            if g in implying:
+                if not spec.is_fa_type:
+                    scan.stored.extend((g, h) for h in ev.block_hashes)
+                if prev is not None:
+                    parents[(g, prev)] = True
+            if g in fa:
+                for h in ev.block_hashes:
+                    if prev is not None:
+                        _link(children, (g, prev), h, cap)
+                    prev = h
+        return scan
+
+    def _settle_partial(self, rep: _Replica, scan: _PartialScan) -> None:
         """After a partial replica's batch: hold the parents its stores named that the index
-        lacks, and keep ``rep.gone`` up to date.
+        lacks, and keep ``rep.gone`` and ``rep.anchors`` up to date.
 
         A ``BlockStored``'s parent is the block before it in the request's chain, which the
         request holds in that group when vLLM stores the new blocks (spec §2.2: the first
@@ -1326,40 +1382,23 @@ class KVIndex:
         them, and drops those held again: the keys :meth:`Predictor.implied_keys` may not
         imply. Past ``IndexLimits.max_partial_removals`` of them it is dropped (None) and
         nothing is implied through windows any more (full attention needs no such record)."""
-        parents: dict[tuple[int, object], bool] = {}
-        removed: list[tuple[int, object]] = []
-        stored: list[tuple[int, object]] = []
-        fa = self._fa_groups()
-        for g, ev, spec in self._gpu_chain_events(events, groups):
-            if spec is None:  # a removal
-                for h in ev.block_hashes:
-                    if g not in fa:  # full attention is ancestor-closed: no record needed
-                        removed.append((g, h))
-                    if (g, h) in parents:
-                        parents[(g, h)] = False
-                continue
-            if not spec.is_fa_type:
-                stored.extend((g, h) for h in ev.block_hashes)
-            p = ev.parent_block_hash
-            if p is not None:
-                parents[(g, p)] = True
         tables = self._tiers["GPU"]
         bit, gone, anchors = rep.bit, rep.gone, rep.anchors
-        for (g, p), proved in parents.items():
+        for (g, p), proved in scan.parents.items():
             if proved and g < len(tables.tables) and self._hold(rep, tables, g, p):
                 rep.counters["witnessed_parents"] += 1
                 self.generation += 1
         if gone is None or anchors is None:
             return
-        for gh in stored:
+        for gh in scan.stored:
             if tables.tables[gh[0]].get(gh[1], 0) & bit:
                 anchors.add(gh)
-        for gh, proved in parents.items():
+        for gh, proved in scan.parents.items():
             if proved:
                 gone.discard(gh)
                 if gh[0] < len(tables.tables) and not self._group_spec(gh[0]).is_fa_type:
                     anchors.add(gh)
-        for g, h in removed:
+        for g, h in scan.removed:
             if g < len(tables.tables) and tables.tables[g].get(h, 0) & bit:
                 gone.discard((g, h))
             else:
@@ -1376,44 +1415,34 @@ class KVIndex:
                 self.limits.max_partial_removals,
             )
 
-    def _closure_scan(
-        self, children: dict[tuple[int, object], list[object]], events: list, fa: frozenset[int]
-    ) -> list[tuple[int, object]]:
-        """Record the parent -> child links a batch's full-attention GPU stores show (a dense
-        store of full blocks: its parent, then each hash the parent of the next) and return
-        the removed keys that have recorded children."""
-        cap = self.limits.max_closure_parents
-        watch: list[tuple[int, object]] = []
-        for g, ev, spec in self._gpu_chain_events(events, fa):
-            if spec is None:  # a removal
-                watch.extend((g, h) for h in ev.block_hashes if (g, h) in children)
-                continue
-            prev = ev.parent_block_hash
-            for h in ev.block_hashes:
-                if prev is not None:
-                    _link(children, (g, prev), h, cap)
-                prev = h
-        return watch
-
     def _gpu_chain_events(
         self, events: list, groups: frozenset[int]
     ) -> Iterator[tuple[int, Any, GroupSpec | None]]:
         """``(group, event, spec)`` for a batch's GPU stores of whole blocks in ``groups`` (not
         partial entries, whose block is the hash unit) and ``(group, event, None)`` for its
         GPU removals there, in order: what the partial replica's scans read."""
+        if not groups:
+            return
         tier_of = self._tier_of
+
+        def gpu(medium: object) -> bool:  # a spelling not applied yet is not in tier_of
+            tier = tier_of.get(medium)
+            if tier is None and isinstance(medium, str):
+                tier = medium.upper()
+            return tier == "GPU"
+
         for ev in events:
             cls = type(ev)
             if cls is BlockStored or cls is LazyTokensBlockStored:
                 g = ev.group_idx or 0
-                if g not in groups or tier_of.get(ev.medium) != "GPU" or not ev.block_hashes:
+                if g not in groups or not ev.block_hashes or not gpu(ev.medium):
                     continue
                 spec = self._group_spec(g)
                 if spec is not None and ev.block_size == spec.block_size:
                     yield g, ev, spec
             elif cls is BlockRemoved:
                 g = ev.group_idx or 0
-                if g in groups and tier_of.get(ev.medium) == "GPU":
+                if g in groups and gpu(ev.medium):
                     yield g, ev, None
 
     def _close_ancestors(
@@ -1961,10 +1990,7 @@ class KVIndex:
         """A pass visited every table: the slots dead when it began are on no key now."""
         self._sweep = None
         self.sweep_passes += 1
-        bits = st.bits
-        while bits:
-            low = bits & -bits
-            bits ^= low
+        for low in iter_bits(st.bits):
             d = self._dead.get(low.bit_length() - 1)
             if d is None:
                 continue
@@ -2016,9 +2042,7 @@ class KVIndex:
         by_slot.update(self._dead)
         for h, m in victims:
             self.mask_bytes -= _held_bytes(m)
-            while m:
-                low = m & -m
-                m ^= low
+            for low in iter_bits(m):
                 rep = by_slot[low.bit_length() - 1]
                 rep.blocks -= 1
                 c = extra.pop((rep.slot, h), None)

@@ -14,7 +14,7 @@ then only probes the few sliding-window / Mamba blocks it needs, from a shared m
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from events.hashing import BlockHasher, LazyChain, RequestKeys
@@ -33,7 +33,7 @@ from router.core.hybrid import (
     group_blind_hit,
     window_blocks,
 )
-from router.core.index import KVIndex, ReplicaKey, leading_walk
+from router.core.index import KVIndex, ReplicaKey, iter_bits, leading_walk
 
 __all__ = ["Prediction", "Predictor", "ReplicaHit", "Shortlist", "body_request_keys"]
 
@@ -218,7 +218,7 @@ class _Masks:
         hashed blocks per call (:meth:`events.hashing.LazyChain.wire_runs`), so the chain is
         hashed exactly as far as :meth:`walk_python` hashes it."""
         walk = leading_walk
-        if walk is None:  # not built or switched off
+        if walk is None:  # not built or switched off (``native`` is then False)
             return self.walk_python(group_ids, k)
         alive = self.all_bits
         stopped: dict[int, int] = {}
@@ -273,13 +273,6 @@ IMPLY_LOOKAHEAD = 64
 """Blocks into a held run :meth:`Predictor.implied_keys` looks for a sliding-window anchor."""
 
 
-def _bits(mask: int) -> Iterator[int]:
-    while mask:
-        low = mask & -mask
-        yield low
-        mask ^= low
-
-
 def _imply_ancestors(
     g: int,
     wires: list[object],
@@ -299,7 +292,7 @@ def _imply_ancestors(
             holes.append((j, lack))
         after |= m
     for j, lack in reversed(holes):
-        for bit in _bits(lack):
+        for bit in iter_bits(lack):
             out.setdefault(owner[bit], []).append((g, wires[j]))
 
 
@@ -324,7 +317,7 @@ def _imply_windows(
         prev = m
         if not j or not starts:
             continue
-        for bit in _bits(starts):
+        for bit in iter_bits(starts):
             r = owner[bit]
             gone, anchors = index.gone(r), index.anchors(r)
             if gone is None or not anchors:
@@ -616,9 +609,7 @@ class Predictor:
             break  # the first block alone
         held &= index.live_bits  # a wiped slot's bit waiting for the sweep names nobody
         holders = []
-        while held > 0:
-            low = held & -held
-            held ^= low
+        for low in iter_bits(held):
             key = self._key_of(low)
             if key is not None:
                 holders.append(key)
