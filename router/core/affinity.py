@@ -136,11 +136,7 @@ class PrefixHomes:
                 old = popitem(last=False)[1]
                 gone[old] = gone.get(old, 0) + 1
             for old, n in gone.items():
-                left = counts[old] - n
-                if left:
-                    counts[old] = left
-                else:
-                    del counts[old]
+                self._uncount(old, n)
         return new
 
     def withdraw(self, keys: Sequence[int], replica: ReplicaKey) -> None:
@@ -153,10 +149,12 @@ class PrefixHomes:
                 del homes[h]
                 self._uncount(replica)
 
-    def _uncount(self, replica: ReplicaKey) -> None:
+    def _uncount(self, replica: ReplicaKey, n: int = 1) -> None:
         counts = self._counts
-        counts[replica] -= 1
-        if not counts[replica]:
+        left = counts[replica] - n
+        if left:
+            counts[replica] = left
+        else:
             del counts[replica]
 
     def forget_replica(self, replica: ReplicaKey) -> int:

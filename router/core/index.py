@@ -326,7 +326,8 @@ class ReplicaStats(msgspec.Struct):
     child proved was not its last copy (KVIndex._close_ancestors)."""
     witnessed_parents: int = 0
     """Keys a partial replica's stores named as their parent while the index did not hold
-    them: blocks cached before attach, proved present by the store (KVIndex._settle_partial)."""
+    them: blocks cached before attach, proved present by the store
+    (KVIndex._after_partial_batch)."""
     implied_blocks: int = 0
     """Keys a partial replica holds by vLLM's cache structure, implied by held keys when a
     request's prefix named them (Predictor.implied_keys, KVIndex.infer)."""
@@ -451,7 +452,7 @@ class _Replica:
 @dataclass(slots=True)
 class _PartialScan:
     """What one pass over a partial replica's batch found (KVIndex._partial_scan), for
-    KVIndex._close_ancestors and KVIndex._settle_partial after the batch is applied."""
+    KVIndex._close_ancestors and KVIndex._after_partial_batch after the batch is applied."""
 
     watch: list[tuple[int, object]] = field(default_factory=list)
     """Full-attention keys the batch removed that have recorded children."""
@@ -1305,7 +1306,7 @@ class KVIndex:
             return  # a clear made it exact, or it was distrusted: nothing more to keep
         if scan.watch:
             self._close_ancestors(rep, rep.children, scan.watch)
-        self._settle_partial(rep, scan)
+        self._after_partial_batch(rep, scan)
 
     def _fa_groups(self) -> frozenset[int]:
         """Group ids of the pool's full-attention-type groups (empty while not learned)."""
@@ -1336,7 +1337,7 @@ class KVIndex:
         """One pass over a partial replica's batch, before it is applied: record the
         parent -> child links its full-attention stores show (a dense store of full blocks:
         its parent, then each hash the parent of the next) and note what
-        :meth:`_settle_partial` needs after it: the removed keys that have recorded children
+        :meth:`_after_partial_batch` needs after it: the removed keys that have recorded children
         (for :meth:`_close_ancestors`), the parents the stores named, and the sliding-window
         keys stored and removed."""
         scan = _PartialScan()
@@ -1366,7 +1367,7 @@ class KVIndex:
                     prev = h
         return scan
 
-    def _settle_partial(self, rep: _Replica, scan: _PartialScan) -> None:
+    def _after_partial_batch(self, rep: _Replica, scan: _PartialScan) -> None:
         """After a partial replica's batch: hold the parents its stores named that the index
         lacks, and keep ``rep.gone`` and ``rep.anchors`` up to date.
 

@@ -139,15 +139,18 @@ class ReplicaState:
     def release_pending(self, rank: int, pending: int) -> None:
         """The request's first byte arrived (or it ended): its prefill is owed no more."""
         if pending:
-            self.pending_prefill[rank] = max(0, self.pending_prefill.get(rank, 0) - pending)
+            self._owe_less(rank, pending)
             self.touch()
 
     def request_finished(self, rank: int, pending: int) -> None:
         """The request left ``rank`` (answered, failed or cancelled)."""
         if pending:
-            self.pending_prefill[rank] = max(0, self.pending_prefill.get(rank, 0) - pending)
+            self._owe_less(rank, pending)
         self.in_flight[rank] -= 1
         self.touch()
+
+    def _owe_less(self, rank: int, pending: int) -> None:
+        self.pending_prefill[rank] = max(0, self.pending_prefill.get(rank, 0) - pending)
 
     def as_dict(self) -> dict[str, Any]:
         now, wall = time.monotonic(), time.time()
