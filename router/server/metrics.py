@@ -175,9 +175,6 @@ class _StateCollector(Collector):
                     layout_status.add_metric([name, st], 1.0 if lay.status == st else 0.0)
                 for v in lay.views:
                     layout_views.add_metric([name, v.view, str(int(v.adopted))], len(v.replicas))
-                for who, st in lay.held.items():
-                    rname, _, dp = who.rpartition("/dp")
-                    layout_held.add_metric([name, rname, dp, st], 1.0)
             memo = pool.get("hash_memo")
             if memo is not None:
                 memo_steps.add_metric([name], memo["steps"])
@@ -189,6 +186,8 @@ class _StateCollector(Collector):
                     trust_state.add_metric([*rep, st], 1.0 if rs.trust == st else 0.0)
                 for reason, n in rs.ingest_errors.items():
                     ingest.add_metric([*rep, reason], n)
+                if rs.layout_hold is not None:
+                    layout_held.add_metric([*rep, rs.layout_hold], 1.0)
                 for outcome in (
                     "stored_blocks",
                     "removed_blocks",
