@@ -300,6 +300,15 @@ class SimCluster:
         """An HTTP client of replica ``name`` itself (bypassing the router)."""
         return self.replicas[name].client
 
+    def route(self, prompt: str) -> str:
+        """Send a 2-token completion through the router; the replica that served it."""
+        r = self.client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        )
+        if r.status_code != 200:
+            raise AssertionError(f"completion failed: {r.status_code} {r.text}")
+        return r.headers["x-kvrouter-replica"]
+
     # -- admin API ------------------------------------------------------------------------
 
     def explain(self, **body: Any) -> dict[str, Any]:

@@ -28,18 +28,12 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[SimCluster]:
         c.close()
 
 
-def complete(c: SimCluster, prompt: str) -> str:
-    r = c.client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
-    assert r.status_code == 200, r.text
-    return r.headers["x-kvrouter-replica"]
-
-
 def test_a_shared_prefix_stays_with_the_replica_it_was_first_sent_to(cluster: SimCluster) -> None:
     c = cluster
     weight: float = c.weight  # type: ignore[attr-defined]
     rng = random.Random(11)
     system = words(rng, SYSTEM_WORDS)
-    home = complete(c, f"{system} {words(rng, 40)}")
+    home = c.route(f"{system} {words(rng, 40)}")
     other = "b" if home == "a" else "a"
     # the same family reaches the other replica without the router (another client)
     r = c.direct(other).post(
@@ -84,13 +78,13 @@ def test_a_request_that_fails_over_is_homed_where_it_went() -> None:
     try:
         rng = random.Random(12)
         system = words(rng, SYSTEM_WORDS)
-        home = complete(c, f"{system} {words(rng, 40)}")
+        home = c.route(f"{system} {words(rng, 40)}")
         other = "b" if home == "a" else "a"
         c.sync(home)
         c.replicas[home].stop_http()  # refuses connections; its events and cache stay
         # the family's home wins the decision, fails before the first byte, fails over
         turn = f"{system} {words(rng, 2 * CHUNK)}"
-        assert complete(c, turn) == other
+        assert c.route(turn) == other
 
         # the system prompt's chunks stay home; the chunks only this request carried belong
         # to the replica that served it: (1 + 320 + 128) // 64 = 7 chunks, 5 of them the
