@@ -426,14 +426,6 @@ def render_metrics(engine: Engine, info: ReplicaInfo) -> str:
     ]
     for name, kind, help_, value in gauges_and_counters:
         _metric(out, name, kind, help_, [(base, value)])
-    # vLLM's info gauge of the cache config (v1/metrics/loggers.py): the sizes, as labels
-    pool = engine.pool
-    sizes = (
-        f'block_size="{pool.resolved.scheduler_block_size}",{base},'
-        f'num_gpu_blocks="{pool.num_blocks}"'
-    )
-    _metric(out, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
-            [(sizes, 1.0)])  # fmt: skip
     success = [
         (f'{base},finished_reason="{reason}"', n)
         for reason, n in sorted(st.finished.items())

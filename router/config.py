@@ -354,20 +354,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     it), which their own hit holds: 62.1 % reuse with it against 62.3 % without, 6 runs each,
     within the spread."""
     affinity_chunk_tokens: int = 64
-    """Granularity of prefix homes: a chunk is homed once a request carried all of it.
-    Also the granularity of the eviction watch (router.core.eviction)."""
+    """Granularity of prefix homes: a chunk is homed once a request carried all of it."""
     affinity_capacity: int = 100_000
     """Chunks remembered (least recently routed forgotten first; ~100 bytes each)."""
-    eviction_weight: float = 0.0
-    """Cost per shared prefix token a request would push past a replica's eviction horizon
-    (``at_risk_tokens``, router.core.eviction); 0 turns the eviction watch off."""
-    eviction_horizon_tokens: float = 0.0
-    """Tokens a prefix lives on a replica after its last use there (new tokens written
-    since); 0: from the replica's ``vllm:cache_config_info`` (``num_gpu_blocks ·
-    block_size`` over the layout's KV groups), and no eviction term where that is unknown."""
-    eviction_danger_tokens: int = 4096
-    """How much of a request's new tokens the eviction term looks at: a replica whose
-    shared prefixes are all further than this from the horizon scores 0."""
     pressure_half_life_s: float = 30.0
     """How fast cache pressure fades: about the time a replica's cache takes to turn over."""
     lower_tier_weights: dict[str, float] = msgspec.field(
@@ -407,16 +396,13 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("pressure_half_life_s must be > 0")
         for f in ("per_request_tokens", "waiting_request_tokens", "lookahead_weight",
                   "pressure_weight", "load_band_tokens", "affinity_weight",
-                  "affinity_max_tokens", "eviction_weight",
-                  "eviction_horizon_tokens"):  # fmt: skip
+                  "affinity_max_tokens"):  # fmt: skip
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if self.affinity_chunk_tokens < 1 or self.affinity_capacity < 1:
             raise ValueError("affinity_chunk_tokens and affinity_capacity must be >= 1")
-        if self.eviction_danger_tokens < 1:
-            raise ValueError("eviction_danger_tokens must be >= 1")
         for tier, w in self.lower_tier_weights.items():
             if tier not in ("CPU", "STORAGE") or not 0 <= w <= 1:
                 raise ValueError(

@@ -12,8 +12,7 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
     look_ahead    = lookahead_weight · fa_prefix_tokens
     pressure      = pressure_weight · recent_new_tokens
     affinity      = min(affinity_max_tokens, affinity_weight · home_tokens)
-    eviction      = eviction_weight · at_risk_tokens
-    cost          = prefill + queued - look_ahead + pressure - affinity + eviction
+    cost          = prefill + queued - look_ahead + pressure - affinity
 
 * ``hit`` is the exact hybrid hit vLLM will report (router.core.predict): the local hit plus
   what a shared store loads (``load_cost``: the loaded tokens at the tier's ``load_cost``, see
@@ -66,13 +65,6 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   ``2·576`` tokens (nine whole 64-token chunks).
   ``affinity_max_tokens`` bounds the credit, so a prefix every request shares cannot hold all
   traffic on one replica. Measured in ``PolicyConfig.affinity_weight``'s docstring.
-
-* **Eviction.** ``at_risk_tokens`` are the tokens of shared prefixes (system prompts,
-  conversation histories) that this request's new blocks would push past the replica's
-  eviction horizon (router.core.eviction): a one-off or a new family goes where it evicts no
-  prefix another request is about to reuse. Only where the placement is otherwise open: when
-  any replica holds the request's prefix or is its home the term is dropped for all
-  (:meth:`KVCostPolicy.prepare`). Measured in ``PolicyConfig.eviction_weight``'s docstring.
 
 * **Load band.** With ``load_band_tokens = b > 0`` a candidate's ``queued`` counts only
   beyond ``b`` tokens more than the least queued candidate's: small, fleeting differences in
@@ -149,9 +141,6 @@ class Candidate:
     """Cache pressure: uncached tokens sent lately (router.core.pressure)."""
     home_tokens: int = 0
     """Leading prompt tokens whose prefix the router first sent here (router.core.affinity)."""
-    at_risk_tokens: int = 0
-    """Shared prefix tokens this request would push past the replica's eviction horizon
-    (router.core.eviction)."""
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
@@ -170,7 +159,6 @@ class Scored:
     look_ahead: float
     pressure: float = 0.0
     affinity: float = 0.0
-    eviction: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -184,7 +172,6 @@ class Scored:
             "look_ahead": self.look_ahead,
             "pressure": self.pressure,
             "affinity": self.affinity,
-            "eviction": self.eviction,
         }
 
 
@@ -305,34 +292,15 @@ class KVCostPolicy(_CostPolicy):
     def choose(
         self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
     ) -> Decision:
-        return super().choose(num_tokens, self.prepare(candidates), commit=commit)
-
-    @staticmethod
-    def prepare(candidates: Sequence[Candidate]) -> Sequence[Candidate]:
-        """The credits that depend on the other candidates (module docstring), applied before
-        scoring; router.core.shortlist applies the same to its explicit candidates (the
-        book's replicas have no hit, prefix, home or eviction term to change).
-
-        * Affinity breaks ties among the replicas with the longest exact hit (against load):
-          a home whose hit is shorter than another replica's gets no credit.
-        * The eviction term places only a request whose placement is otherwise open: where
-          some replica holds its prefix or is its home, those decide, and a family's next
-          conversation is never pushed off its home to spare another family."""
+        # Affinity breaks ties among the replicas with the longest exact hit (against load);
+        # a home whose hit is shorter than another replica's gets no credit (module docstring)
         best = max((c.hit_tokens for c in candidates if c.trusted), default=0)
         if any(c.home_tokens and c.hit_tokens < best for c in candidates):
             candidates = [
                 dataclasses.replace(c, home_tokens=0) if c.hit_tokens < best else c
                 for c in candidates
             ]
-        if any(c.at_risk_tokens for c in candidates) and any(
-            c.home_tokens or (c.trusted and (c.fa_prefix_tokens or c.hit_tokens))
-            for c in candidates
-        ):
-            candidates = [
-                dataclasses.replace(c, at_risk_tokens=0) if c.at_risk_tokens else c
-                for c in candidates
-            ]
-        return candidates
+        return super().choose(num_tokens, candidates, commit=commit)
 
     def score(self, num_tokens: int, c: Candidate) -> Scored:
         return self.score_queued(num_tokens, c, queued_tokens(c, self.cfg))
@@ -354,9 +322,8 @@ class KVCostPolicy(_CostPolicy):
             hit, eff, ahead, affinity = 0, 0.0, 0.0, 0.0
         prefill = max(0.0, num_tokens - eff)
         pressure = cfg.pressure_weight * c.recent_new_tokens
-        eviction = cfg.eviction_weight * c.at_risk_tokens
-        cost = prefill + queued - ahead + pressure - affinity + eviction
-        return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure, affinity, eviction)
+        cost = prefill + queued - ahead + pressure - affinity
+        return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure, affinity)
 
 
 class PrefixGroupBlindPolicy(_CostPolicy):

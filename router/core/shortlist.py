@@ -146,14 +146,18 @@ def choose_shortlist(
         cfg.affinity_weight,
         cfg.affinity_max_tokens,
         cfg.pressure_weight,
-        cfg.eviction_weight,
         *cfg.lower_tier_weights.values(),
     )
     if not all(math.isfinite(w) for w in weights):
         return None
-    # KVCostPolicy.choose's rules over the candidates: the book's have hit 0, no prefix, no
-    # home and no eviction term, which change neither rule's outcome
-    explicit = policy.prepare(explicit)
+    # KVCostPolicy.choose's affinity rule; the book's candidates have hit 0, which never
+    # raises the best trusted hit
+    best_hit = max((c.hit_tokens for c in explicit if c.trusted), default=0)
+    if any(c.home_tokens and c.hit_tokens < best_hit for c in explicit):
+        explicit = [
+            dataclasses.replace(c, home_tokens=0) if c.hit_tokens < best_hit else c
+            for c in explicit
+        ]
     scored = [policy.score(num_tokens, c) for c in explicit]
     if any(math.isnan(s.cost) for s in scored):
         return None

@@ -167,8 +167,6 @@ def admin_router(
                 mine = [k for k in trust if k[0] == rep.name]
                 d["trusted"] = {f"dp{k[1]}": trust[k].trusted for k in mine}
                 d["trust"] = {f"dp{k[1]}": trust[k].trust for k in mine}
-                # tokens a prefix lives there after its last use (router.core.eviction)
-                d["eviction_horizon_tokens"] = {f"dp{r}": p.horizon(rep, r) for r in rep.ranks}
                 out.append(d)
         return {"replicas": out}
 
@@ -270,9 +268,6 @@ def admin_router(
                     "running": c.running,
                     "waiting": c.waiting,
                     "kv_usage": c.kv_usage,
-                    "eviction_horizon_tokens": (
-                        pool.horizon(rep, key[1]) if rep is not None else None
-                    ),
                 }
                 if c is not None
                 else None

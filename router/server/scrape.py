@@ -16,12 +16,7 @@ import httpx
 
 from router.server.logs import kv
 from router.server.state import PoolState, ReplicaState, RouterState
-from router.server.vllm_metrics import (
-    parse_cache_tokens,
-    parse_start_time,
-    parse_vllm_metrics,
-    restarted,
-)
+from router.server.vllm_metrics import parse_start_time, parse_vllm_metrics, restarted
 
 __all__ = ["others_load", "scrape_forever", "scrape_once", "scrape_replica"]
 
@@ -90,9 +85,6 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
     parsed = parse_vllm_metrics(r.content)
     rep.running, rep.waiting = parsed["running"], parsed["waiting"]
     rep.kv_usage = parsed["kv_usage"]
-    cache_tokens = parse_cache_tokens(r.content)
-    if cache_tokens != rep.kv_cache_tokens:
-        rep.kv_cache_tokens = cache_tokens
     rep.others_running, rep.others_waiting = others_load(
         parsed["running"], parsed["waiting"], before, rep.in_flight
     )

@@ -27,7 +27,6 @@ from events.stream import StreamSpec, StreamStats
 from events.subscriber import AsyncSubscriber, SubscriberError
 from router.config import PoolConfig, ReplicaConfig, RouterConfig
 from router.core.affinity import PrefixHomes
-from router.core.eviction import EvictionWatch
 from router.core.health import ReplicaHealth
 from router.core.index import KVIndex, ReplicaKey
 from router.core.policy import (
@@ -65,7 +64,7 @@ __all__ = [
 log = logging.getLogger("kvrouter.serve")
 
 
-_WATCHED = frozenset({"drained", "others_running", "others_waiting", "kv_usage", "kv_cache_tokens"})
+_WATCHED = frozenset({"drained", "others_running", "others_waiting", "kv_usage"})
 """ReplicaState fields the kv cost reads, replaced whole when they change (drain, scrape)."""
 
 
@@ -98,9 +97,6 @@ class ReplicaState:
     scrape interval later (a stale count pushed sequential requests off the replica that had
     just cached their prefix)."""
     kv_usage: dict[int, float] = field(default_factory=dict)
-    kv_cache_tokens: dict[int, float] = field(default_factory=dict)
-    """KV cache size in tokens per engine (``vllm:cache_config_info``; the eviction
-    horizon, router.core.eviction)."""
     scraped_at: float | None = None
     scrape_error: str | None = None
     started_at: float | None = None
@@ -286,15 +282,6 @@ class PoolState:
         self.homes: PrefixHomes | None = None
         if cfg.policy.affinity_weight > 0 and cfg.policy.name == "kv":
             self.homes = PrefixHomes(cfg.policy.affinity_chunk_tokens, cfg.policy.affinity_capacity)
-        self.eviction: EvictionWatch | None = None
-        """Shared prefixes near each replica's eviction horizon (router.core.eviction)."""
-        if cfg.policy.eviction_weight > 0 and cfg.policy.name == "kv":
-            self.eviction = EvictionWatch(
-                cfg.policy.affinity_chunk_tokens,
-                cfg.policy.eviction_danger_tokens,
-                cfg.policy.affinity_capacity,
-            )
-        self._chunk_keys = (self.homes or PrefixHomes(cfg.policy.affinity_chunk_tokens, 1)).keys
         self.policy: Policy = make_policy(cfg.policy)
         self.fallback = LeastLoadPolicy(cfg.policy)
         self.replicas: dict[str, ReplicaState] = {}
@@ -310,8 +297,6 @@ class PoolState:
         self._book_keys: dict[str, list[ReplicaKey]] = {}
         self._dirty: set[str] = set()
         """Replicas whose load, drain or health changed since the book was refreshed."""
-        self._eviction_layout: object = None
-        """The layout the book's eviction horizons were filed under (:meth:`horizon`)."""
 
     def live_urls(self) -> list[str]:
         """Where a remote tokenizer may call: replicas neither drained, down nor ejected."""
@@ -529,10 +514,9 @@ class PoolState:
         exclude: set[ReplicaKey],
         homed: dict[ReplicaKey, int] | None = None,
         now: float | None = None,
-        chunks: frozenset[int] | None = None,
     ) -> list[Candidate]:
         """Every replica (and DP rank) a request may go to, with its hit and load: the full
-        scan's candidates. ``chunks``: the request's chunk keys, for the eviction term."""
+        scan's candidates."""
         hits = {h.replica: h for h in prediction.replicas} if prediction is not None else {}
         homed = homed or {}
         out = []
@@ -541,44 +525,12 @@ class PoolState:
         reps, panic = self.rotation(now)
         if panic:  # one at a time, in panic order (rotation)
             reps = [r for r in reps if any((r.name, k) not in exclude for k in r.ranks)][:1]
-        num_tokens = prediction.num_tokens if prediction is not None else 0
         for rep in reps:
             for r in rep.ranks:
                 key = (rep.name, r)
                 if key not in exclude:
-                    h = hits.get(key)
-                    risk = self.at_risk(rep, r, h, num_tokens, chunks)
-                    out.append(_candidate(rep, r, h, homed.get(key, 0), now, risk))
+                    out.append(_candidate(rep, r, hits.get(key), homed.get(key, 0), now))
         return out
-
-    def horizon(self, rep: ReplicaState, rank: int) -> float | None:
-        """Tokens a prefix lives on ``rep``'s ``rank`` after its last use (router.core.
-        eviction): the configured horizon, else the replica's cache size over the layout's
-        KV groups; None while unknown."""
-        fixed = self.cfg.policy.eviction_horizon_tokens
-        if fixed > 0:
-            return fixed
-        size = _get(rep.kv_cache_tokens, rank)
-        layout = self.index.layout
-        if size is None or layout is None:
-            return None
-        return size / max(1, len(layout.layout.groups))
-
-    def at_risk(
-        self,
-        rep: ReplicaState,
-        rank: int,
-        h: ReplicaHit | None,
-        num_tokens: int,
-        chunks: frozenset[int] | None,
-    ) -> int:
-        """The candidate's ``at_risk_tokens``: shared prefix tokens its new blocks would push
-        past the horizon there (0 with the eviction term off)."""
-        watch = self.eviction
-        if watch is None or chunks is None:
-            return 0
-        hit = h.hit_tokens if h is not None and h.trusted else 0
-        return watch.at_risk((rep.name, rank), num_tokens - hit, self.horizon(rep, rank), chunks)
 
     # ----------------------------------------------------- the shortlist path
 
@@ -587,7 +539,6 @@ class PoolState:
         ``queued`` term) when a no-hit, no-home request's cost there is ``prefill + queued``
         and they are routable whatever the time (healthy, not drained), else irregular."""
         pressure = self.cfg.policy.pressure_weight > 0
-        watch = self.eviction
         cfg = self.policy.cfg if isinstance(self.policy, KVCostPolicy) else self.cfg.policy
         book, irregular = self._book, self._irregular
         for name in self._dirty:
@@ -601,13 +552,7 @@ class PoolState:
             regular = not rep.drained and rep.health.state(now) == "healthy"
             for key in keys:
                 q = queued_tokens(_candidate(rep, key[1], None, 0, now), cfg)
-                danger = watch is not None and watch.in_danger(key, self.horizon(rep, key[1]))
-                if (
-                    regular
-                    and math.isfinite(q)
-                    and not (pressure and key[1] in rep.written)
-                    and not danger
-                ):
+                if regular and math.isfinite(q) and not (pressure and key[1] in rep.written):
                     book.put(key, q)
                 else:
                     irregular.add(key)
@@ -620,7 +565,6 @@ class PoolState:
         exclude: set[ReplicaKey],
         homed: dict[ReplicaKey, int] | None,
         now: float | None = None,
-        chunks: frozenset[int] | None = None,
     ) -> tuple[Decision, Prediction] | None:
         """The kv policy's decision scoring only the replicas that can differ from the
         rest (router.core.shortlist; docs/decision-cost.md), and the prediction of those
@@ -631,9 +575,6 @@ class PoolState:
             return None
         if now is None:
             now = time.monotonic()
-        if self.eviction is not None and self.index.layout is not self._eviction_layout:
-            self._eviction_layout = self.index.layout  # horizons changed: re-file them all
-            self._dirty.update(self.replicas)
         if self._dirty:
             self._refresh_book(now)
         if not len(self._book):  # nothing surely routable: the full scan (and its panic)
@@ -664,8 +605,7 @@ class PoolState:
             h = held.get(key)
             if h is None:
                 h = reported[key] = self.predictor.absent_hit(short, key)
-            risk = self.at_risk(rep, key[1], h, len(token_ids), chunks)
-            explicit.append(_candidate(rep, key[1], h, homed.get(key, 0), now, risk))
+            explicit.append(_candidate(rep, key[1], h, homed.get(key, 0), now))
         rng_before = policy.rng.getstate() if self.check_shortlist else None
         decision = choose_shortlist(policy, len(token_ids), explicit, book, skipped)
         if decision is None:
@@ -676,9 +616,7 @@ class PoolState:
         base = short.prediction
         pred = Prediction(base.num_tokens, base.hashed, base.layout, tuple(reported.values()))
         if rng_before is not None:
-            self._check_shortlist(
-                token_ids, body, exclude, homed, now, rng_before, decision, pred, chunks
-            )
+            self._check_shortlist(token_ids, body, exclude, homed, now, rng_before, decision, pred)
         return decision, pred
 
     def _check_shortlist(
@@ -691,7 +629,6 @@ class PoolState:
         rng_before: object,
         fast: Decision,
         fast_pred: Prediction,
-        chunks: frozenset[int] | None = None,
     ) -> None:
         """:attr:`check_shortlist`: the full scan, from the RNG state the shortlist started
         with, must choose the same replica with the same scores and tie count, and leave the
@@ -701,7 +638,7 @@ class PoolState:
         after = rng.getstate()
         rng.setstate(rng_before)
         pred = self.predict(token_ids, body)
-        ref = policy.choose(len(token_ids), self.candidates(pred, exclude, homed, now, chunks))
+        ref = policy.choose(len(token_ids), self.candidates(pred, exclude, homed, now))
         problems = []
         if rng.getstate() != after:
             problems.append("the RNG was consumed differently")
@@ -733,8 +670,6 @@ class PoolState:
             self.speculative.forget_replica(key)
         if self.homes is not None:
             self.homes.forget_replica(key)
-        if self.eviction is not None:
-            self.eviction.forget_replica(key)
 
     def failed_over(self, choice: RouteChoice) -> None:
         """``choice``'s replica failed before its first byte: what the decision recorded there
@@ -787,17 +722,10 @@ class PoolState:
         if token_ids:
             self.imply_partial(token_ids, body)
             overlay = self.speculative
-            homes, watch = self.homes, self.eviction
-            home_keys = (
-                self._chunk_keys(token_ids) if homes is not None or watch is not None else []
-            )
+            homes = self.homes
+            home_keys = homes.keys(token_ids) if homes is not None else []
             homed = homes.homed(home_keys) if homes is not None else None
-            chunks = frozenset(home_keys) if watch is not None else None
-            fast = (
-                None
-                if explain
-                else self._decide_shortlist(token_ids, body, exclude, homed, chunks=chunks)
-            )
+            fast = None if explain else self._decide_shortlist(token_ids, body, exclude, homed)
             if fast is not None:
                 decision, pred = fast
             else:
@@ -816,17 +744,10 @@ class PoolState:
                         log.exception("speculative prediction failed; routing on events only")
                 basis = spec if spec is not None and self.cfg.policy.speculative_routing else pred
                 decision = self.policy.choose(
-                    len(token_ids),
-                    self.candidates(basis, exclude, homed, chunks=chunks),
-                    commit=not explain,
+                    len(token_ids), self.candidates(basis, exclude, homed), commit=not explain
                 )
             if homes is not None and not explain:
                 new_homes = homes.record(home_keys, decision.chosen.key)
-            if watch is not None and not explain:
-                chosen = decision.chosen.key
-                watch.record(chosen, home_keys, len(token_ids) - decision.chosen.hit_tokens)
-                if (rep := self.replicas.get(chosen[0])) is not None:
-                    rep.touch()  # its shared prefixes aged and refreshed: re-file it
             if overlay is not None and not explain:
                 chosen = decision.chosen.key
                 hit = None  # the admission-time hit there: where its junction will be
@@ -873,12 +794,7 @@ async def _start_times(replicas: list[ReplicaConfig], router: RouterState) -> di
 
 
 def _candidate(
-    rep: ReplicaState,
-    r: int,
-    h: ReplicaHit | None,
-    home_tokens: int,
-    now: float,
-    at_risk_tokens: int = 0,
+    rep: ReplicaState, r: int, h: ReplicaHit | None, home_tokens: int, now: float
 ) -> Candidate:
     """What the policy knows about ``rep``'s rank ``r`` for one request (``h``: its hit)."""
     res = h.result if h is not None else None
@@ -897,7 +813,6 @@ def _candidate(
         pending_prefill_tokens=rep.pending_prefill.get(r, 0),
         recent_new_tokens=w.value(now) if (w := rep.written.get(r)) else 0.0,
         home_tokens=home_tokens,
-        at_risk_tokens=at_risk_tokens,
         running=None if others is None else mine + others,
         waiting=_get(rep.others_waiting, r),
         kv_usage=_get(rep.kv_usage, r, avg=True),

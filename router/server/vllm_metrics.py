@@ -6,13 +6,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = [
-    "RESTART_TOLERANCE_S",
-    "parse_cache_tokens",
-    "parse_start_time",
-    "parse_vllm_metrics",
-    "restarted",
-]
+__all__ = ["RESTART_TOLERANCE_S", "parse_start_time", "parse_vllm_metrics", "restarted"]
 
 _METRIC = re.compile(
     rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"
@@ -20,9 +14,6 @@ _METRIC = re.compile(
     re.M,
 )
 _ENGINE = re.compile(rb'engine="(\d+)"')
-_CACHE_INFO = re.compile(rb"^vllm:cache_config_info\{([^}]*)\}", re.M)
-_NUM_BLOCKS = re.compile(rb'(?:^|,)\s*num_gpu_blocks="(\d+)"')
-_BLOCK_SIZE = re.compile(rb'(?:^|,)\s*block_size="(\d+)"')
 _START = re.compile(rb"^process_start_time_seconds(?:\{[^}]*\})?\s+([-+0-9.eE]+)", re.M)
 RESTART_TOLERANCE_S = 0.05
 """Start times closer than this are the same process. The process collector derives the
@@ -48,22 +39,6 @@ def parse_vllm_metrics(text: bytes) -> dict[str, dict[int, float]]:
             continue
         d = out[_NAMES[name]]
         d[rank] = d.get(rank, 0.0) + v
-    return out
-
-
-def parse_cache_tokens(text: bytes) -> dict[int, float]:
-    """KV cache size in tokens per engine (-1 when unlabelled): ``num_gpu_blocks ·
-    block_size`` from ``vllm:cache_config_info``'s labels (an info gauge vLLM sets once the
-    cache is sized; the eviction horizon, router.core.eviction). Engines without both labels
-    are left out."""
-    out: dict[int, float] = {}
-    for m in _CACHE_INFO.finditer(text):
-        labels = m.group(1)
-        nb, bs = _NUM_BLOCKS.search(labels), _BLOCK_SIZE.search(labels)
-        if nb is None or bs is None:
-            continue
-        em = _ENGINE.search(labels)
-        out[int(em.group(1)) if em else -1] = float(int(nb.group(1)) * int(bs.group(1)))
     return out
 
 
