@@ -28,7 +28,14 @@ from bench.real_vllm.load import (  # noqa: E402
 )
 from bench.real_vllm.load_client import LoadRunner  # noqa: E402
 from bench.real_vllm.load_plan import CHAT_OVERHEAD, PlanConfig, make_plan  # noqa: E402
-from bench.real_vllm.load_report import exactness, paired, percentile, summarize_run  # noqa: E402
+from bench.real_vllm.load_report import (  # noqa: E402
+    exactness,
+    paired,
+    paired_base,
+    paired_table,
+    percentile,
+    summarize_run,
+)
 from router.config import parse_config  # noqa: E402
 from tests.fake_replica import ServerThread  # noqa: E402
 
@@ -237,6 +244,17 @@ def test_summarize_rebuilds_table_pairs_and_plot_from_json(tmp_path: Path) -> No
     assert rows["cache_aware"]["ttft_mean_wins"] == 2  # 80 < 120 twice, 80 > 60 twice
     assert rows["round_robin"]["pairs"] == 1
     assert "| cache_aware | 4 | +3.0, +4.0, +3.0, +4.0 | +3.5 | 4/4 | 2/4 | 2/4 |" in md
+
+
+def test_a_round_of_kv_with_options_only_is_paired_under_its_own_name() -> None:
+    spec = "kv:speculative_insert=true,speculative_routing=false"
+    runs = [_run(spec, 1, 1, 0.62, 80.0), _run("cache_aware", 1, 1, 0.60, 90.0)]
+    assert paired_base(runs) == spec
+    assert paired_base([*runs, _run("kv", 1, 1, 0.5, 1.0)]) == "kv"
+    assert paired_base([_run("cache_aware", 1, 1, 0.6, 1.0)]) == "kv"
+    table = paired_table(runs)
+    assert f"| {spec} vs |" in table
+    assert "| cache_aware | 1 | +2.0 | +2.0 | 1/1 | 1/1 | 1/1 |" in table
 
 
 def test_replica_metrics_are_parsed_per_replica_and_handler() -> None:

@@ -211,7 +211,17 @@ def paired(runs: Sequence[dict[str, Any]], base: str = "kv") -> list[dict[str, A
     return out
 
 
-def paired_table(runs: Sequence[dict[str, Any]], base: str = "kv") -> str:
+def paired_base(runs: Sequence[dict[str, Any]]) -> str:
+    """The runs' ``kv`` policy: ``kv`` itself, else the first ``kv:`` variant by name (a
+    round run with options only, e.g. ``kv:speculative_insert=true,...``)."""
+    names = {r["policy"] for r in runs}
+    if "kv" in names:
+        return "kv"
+    return min((n for n in names if n.startswith("kv:")), default="kv")
+
+
+def paired_table(runs: Sequence[dict[str, Any]], base: str | None = None) -> str:
+    base = paired_base(runs) if base is None else base
     rows = paired(runs, base)
     if not rows:
         return f"(no paired runs with `{base}`)"
