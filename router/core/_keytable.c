@@ -161,8 +161,10 @@ static inline Py_ssize_t find(const KeyTable *t, uint64_t key) {
 }
 
 /* Move every entry into a fresh array of new_cap slots (0: free it). No refcount changes.
- * Returns -1 with MemoryError set, the table untouched. */
-static int resize(KeyTable *t, Py_ssize_t new_cap) {
+ * With max_probe >= 0 it gives up, returning 1 with the table untouched, when an entry would
+ * land more than max_probe slots past its home (try_shrink). Returns -1 with MemoryError
+ * set, the table untouched. */
+static int rehash(KeyTable *t, Py_ssize_t new_cap, Py_ssize_t max_probe) {
     Slot *fresh = NULL;
     if (new_cap > 0) {
         if (new_cap < MIN_CAP) {
@@ -180,23 +182,37 @@ static int resize(KeyTable *t, Py_ssize_t new_cap) {
     }
     Slot *old = t->slots;
     Py_ssize_t old_cap = t->cap;
-    t->slots = fresh;
-    t->cap = new_cap;
+    uint64_t seed = t->seed;
     for (Py_ssize_t j = 0; j < old_cap; j++) {
         if (old[j].value != NULL) {
-            Py_ssize_t i = home_of(t, old[j].key);
+            Py_ssize_t i = (Py_ssize_t)mulhi(mix(old[j].key, seed), (uint64_t)new_cap);
+            Py_ssize_t probe = 0;
             while (fresh[i].value != NULL) {
                 if (++i == new_cap) {
                     i = 0;
+                }
+                if (max_probe >= 0 && ++probe > max_probe) {
+                    PyMem_Free(fresh);
+                    return 1;
                 }
             }
             fresh[i] = old[j];
         }
     }
+    t->slots = fresh;
+    t->cap = new_cap;
     PyMem_Free(old);
     t->version++;
-    t->shrink_below = 0;
     return 0;
+}
+
+/* rehash with no probe limit; the shrink hold-off is over (the table has its new size). */
+static int resize(KeyTable *t, Py_ssize_t new_cap) {
+    int r = rehash(t, new_cap, -1);
+    if (r == 0) {
+        t->shrink_below = 0;
+    }
+    return r;
 }
 
 /* Empty slot i and shift the run after it back; returns the value it held (a reference the
@@ -228,7 +244,7 @@ static PyObject *take_slot(KeyTable *t, Py_ssize_t i) {
     return v;
 }
 
-/* resize(t, new_cap) for a shrink on delete, or 1 (the table untouched) when an entry would
+/* rehash(t, new_cap) for a shrink on delete, or 1 (the table untouched) when an entry would
  * land more than MAX_SHRINK_PROBE slots past its home. Homes follow hash order, so after keys
  * were deleted in hash order (a sweep of the index, a wipe) the survivors crowd one part of
  * hash space: squeezed to a load of 1/2 overall, that part would hold more keys than slots
@@ -236,38 +252,7 @@ static PyObject *take_slot(KeyTable *t, Py_ssize_t i) {
  * took 82 s that way). Such a shrink waits until the keys are spread again (shrink_below,
  * KeyTable.shrink). -1 with MemoryError set. */
 static int try_shrink(KeyTable *t, Py_ssize_t new_cap) {
-    if (new_cap < MIN_CAP) {
-        new_cap = MIN_CAP;
-    }
-    Slot *fresh = PyMem_Calloc((size_t)new_cap, sizeof(Slot));
-    if (fresh == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    Slot *old = t->slots;
-    Py_ssize_t old_cap = t->cap;
-    uint64_t seed = t->seed;
-    for (Py_ssize_t j = 0; j < old_cap; j++) {
-        if (old[j].value != NULL) {
-            Py_ssize_t i = (Py_ssize_t)mulhi(mix(old[j].key, seed), (uint64_t)new_cap);
-            Py_ssize_t probe = 0;
-            while (fresh[i].value != NULL) {
-                if (++i == new_cap) {
-                    i = 0;
-                }
-                if (++probe > MAX_SHRINK_PROBE) {
-                    PyMem_Free(fresh);
-                    return 1;
-                }
-            }
-            fresh[i] = old[j];
-        }
-    }
-    t->slots = fresh;
-    t->cap = new_cap;
-    PyMem_Free(old);
-    t->version++;
-    return 0;
+    return rehash(t, new_cap, MAX_SHRINK_PROBE);
 }
 
 /* After a delete: give memory back once the load falls under 1/4 (a failed or refused shrink
