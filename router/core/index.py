@@ -149,6 +149,14 @@ def _mask_bytes(m: int) -> int:
     return _INT_BASE + _DIGIT_BYTES * (-(-m.bit_length() // _DIGIT_BITS))
 
 
+def _tier_name(medium: object) -> str | None:
+    """The tier an event's ``medium`` spelling names (case-insensitive: vLLM writes "GPU",
+    its Mooncake store connector "cpu"), or None when it is not a tier name at all."""
+    if not isinstance(medium, str) or not medium or len(medium) > 64:
+        return None
+    return medium.upper()
+
+
 def iter_bits(mask: int) -> Iterator[int]:
     """The set bits of a non-negative replica mask, lowest first, each as ``1 << slot``."""
     while mask:
@@ -1427,10 +1435,7 @@ class KVIndex:
         tier_of = self._tier_of
 
         def gpu(medium: object) -> bool:  # a spelling not applied yet is not in tier_of
-            tier = tier_of.get(medium)
-            if tier is None and isinstance(medium, str):
-                tier = medium.upper()
-            return tier == "GPU"
+            return (tier_of.get(medium) or _tier_name(medium)) == "GPU"
 
         for ev in events:
             cls = type(ev)
@@ -1483,10 +1488,10 @@ class KVIndex:
         names are case-insensitive. A connector's own name is kept as its own tier rather than
         refused: its events are then indexed apart from the GPU's and never decide a GPU hit.
         """
-        if not isinstance(medium, str) or not medium or len(medium) > 64:
+        name = _tier_name(medium)
+        if name is None:
             self._refuse(rep, "medium", f"medium {medium!r} is not a tier name")
             return None
-        name = medium.upper()
         if name not in self._tiers:
             # Counted per replica: a pool-wide count let one replica's junk names exhaust it,
             # and another replica's connector stores were then refused (it went untrusted).
@@ -1962,9 +1967,7 @@ class KVIndex:
                 table[h] = bit_objs.get(rest, rest)
             else:
                 table[h] = rest
-            while gone:
-                low = gone & -gone
-                gone ^= low
+            for low in iter_bits(gone):
                 d = dead_of[low.bit_length() - 1]
                 d.blocks -= 1
                 if extra:
