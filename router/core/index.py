@@ -89,6 +89,7 @@ from events.schema import (
     LazyTokensBlockStored,
     UnknownEvent,
 )
+from router.core.eviction_order import NAMED, REMOVED, STORED, EvictionWitness
 from router.core.layout_quorum import (
     LayoutState,
     LayoutViewState,
@@ -136,6 +137,16 @@ _SMALL_INT = 256
 _EXTRA_BYTES = sys.getsizeof((0, 0))
 #: One replica's own records (its _Replica, counters and small dicts), measured by tracemalloc.
 _REPLICA_BYTES = 1200
+
+
+def _proof_state(rep: _Replica) -> str | None:
+    """:attr:`ReplicaStats.eviction_proof` of a replica."""
+    if rep.trust != "partial":
+        return None
+    w = rep.witness
+    if w is None or w.off is not None:
+        return f"off: {rep.witness_off or (w.off if w else 'not started')}"
+    return "armed" if w.armed else "settling"
 
 
 def _mask_bytes(m: int) -> int:
@@ -290,6 +301,14 @@ class IndexLimits:
     (``_Replica.gone``, about 130 bytes each): past it, windows are no longer implied for that
     replica (router.core.predict.Predictor.implied_keys; full attention and witnessed parents
     go on). Implication matters most just after attach, so the bound is small."""
+    max_witness_keys: int = 1 << 20
+    """Keys a *partial* replica's eviction-order proof remembers as known since attach
+    (router.core.eviction_order, about 100 bytes each); past it the proof is off for that
+    replica (predictions stay a lower bound, only less often exact)."""
+    max_quiet_removals: int = 1 << 16
+    """Removals in a row of blocks known since attach after which a partial replica's
+    eviction-order proof stops (router.core.eviction_order): the blocks cached before attach
+    are gone by then, so nothing more can be proved and its records are freed."""
     max_dead_slots: int = 64
     """Wiped slots whose keys may still carry their bit (KVIndex.sweep clears them). A wipe
     beyond this many pending ones is done at once instead (O(index), counted in
@@ -332,6 +351,13 @@ class ReplicaStats(msgspec.Struct):
     closure_kept: int = 0
     """Removals of a partial replica's last known copy of a full-attention key that a held
     child proved was not its last copy (KVIndex._close_ancestors)."""
+    eviction_proof: str | None = None
+    """A partial replica's eviction-order proof (router.core.eviction_order): ``settling``
+    (until two metrics scrapes in a row show no other client), ``armed``, or ``off: <why>``
+    for the rest of the partial period; None while exact or untrusted."""
+    older_copy_evicted: int = 0
+    """Removals of a partial replica's last known copy of a key that the eviction order proved
+    took an older copy (router.core.eviction_order): the key is held again."""
     witnessed_parents: int = 0
     """Keys a partial replica's stores named as their parent while the index did not hold
     them: blocks cached before attach, proved present by the store
@@ -405,6 +431,10 @@ class _Replica:
     stored (stored since attach, or a store's parent), the only ones that imply the blocks
     before them (KVIndex.anchors). A key held for another reason (an answer, an implication)
     proves nothing about its own window. Dropped with ``gone``."""
+    witness: EvictionWitness | None = None
+    """While partial: the eviction-order proof's record (router.core.eviction_order)."""
+    witness_off: str | None = None
+    """Why the proof ended this partial period (its record is freed then)."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             (
@@ -422,6 +452,7 @@ class _Replica:
                 "late_attaches",
                 "inferred_blocks",
                 "closure_kept",
+                "older_copy_evicted",
                 "witnessed_parents",
                 "implied_blocks",
                 "wipes",
@@ -747,6 +778,12 @@ class KVIndex:
         rep.children = {} if on else None
         rep.gone = set() if on else None
         rep.anchors = set() if on else None
+        rep.witness = (
+            EvictionWitness(self.limits.max_witness_keys, self.limits.max_quiet_removals)
+            if on
+            else None
+        )
+        rep.witness_off = None
         key = (rep.name, rep.dp_rank)
         if on:
             self._partial[key] = None
@@ -1315,6 +1352,87 @@ class KVIndex:
         if scan.watch:
             self._close_ancestors(rep, rep.children, scan.watch)
         self._after_partial_batch(rep, scan)
+        if rep.witness is not None:
+            self._witness_batch(rep, rep.witness, events)
+
+    def _witness_batch(self, rep: _Replica, witness: EvictionWitness, events: list) -> None:
+        """Feed a partial replica's applied batch to its eviction-order proof and hold again
+        the keys it proves still cached (router.core.eviction_order)."""
+        tier_of, max_groups = self._tier_of, self.limits.max_groups
+        items: list[tuple[int, tuple[int, object]]] = []
+        for ev in events:
+            cls = type(ev)
+            if cls is BlockStored or cls is LazyTokensBlockStored:
+                what = STORED
+            elif cls is BlockRemoved:
+                what = REMOVED
+            else:
+                continue
+            if (tier_of.get(ev.medium) or _tier_name(ev.medium)) != "GPU":
+                continue
+            g = ev.group_idx or 0
+            if not 0 <= g < max_groups:
+                continue
+            if what == STORED and ev.parent_block_hash is not None:
+                items.append((NAMED, (g, ev.parent_block_hash)))
+            items.extend((what, (g, h)) for h in ev.block_hashes)
+        tables = self._tiers["GPU"]
+        for g, h in witness.scan(items):
+            if g < len(tables.tables) and self._hold(rep, tables, g, h):
+                rep.counters["older_copy_evicted"] += 1
+                if rep.gone is not None:
+                    rep.gone.discard((g, h))
+                self.generation += 1
+        if witness.off is not None:
+            self._witness_off(rep, witness.off)
+
+    def _witness_off(self, rep: _Replica, reason: str) -> None:
+        """The eviction-order proof ends for the rest of the partial period; its records
+        are freed. Logged once per period at INFO: it changes how exact the replica gets."""
+        rep.witness, rep.witness_off = None, reason
+        log.info(
+            "pool %r replica %s/dp%d: eviction-order proof off: %s",
+            self.pool,
+            rep.name,
+            rep.dp_rank,
+            reason,
+        )
+
+    def witness_sending(self, key: ReplicaKey, keys: Iterable[tuple[int, object]] | None) -> None:
+        """A request is being sent to ``key``: the keys it could touch or store at admission
+        (router.core.eviction_order.EvictionWitness.sending; None when they cannot be
+        computed, which ends the proof: it needs them all). Nothing unless it is partial."""
+        rep = self._replicas.get(key)
+        if rep is None or rep.witness is None:
+            return
+        if keys is None:
+            self._witness_off(rep, "a request's keys could not be computed (layout unknown)")
+        else:
+            rep.witness.sending(keys)
+
+    def witness_touched(
+        self, key: ReplicaKey, keys: Iterable[tuple[int, object]], sent_at: float
+    ) -> None:
+        """vLLM's answer to a request sent at ``sent_at`` showed it hit ``keys`` on ``key``
+        (EvictionWitness.touched). Nothing unless the replica is partial."""
+        rep = self._replicas.get(key)
+        if rep is not None and rep.witness is not None:
+            rep.witness.touched(keys, sent_at)
+
+    def witness_scrape(
+        self,
+        key: ReplicaKey,
+        now: float,
+        others: float,
+        finished: float | None,
+        sent: int,
+        mine: int,
+    ) -> None:
+        """A metrics scrape of ``key`` (EvictionWitness.scrape): whether the router is its
+        only client. Nothing unless the replica is partial."""
+        rep = self._replicas.get(key)
+        if rep is not None and rep.witness is not None:
+            rep.witness.scrape(now, others, finished, sent, mine)
 
     def _fa_groups(self) -> frozenset[int]:
         """Group ids of the pool's full-attention-type groups (empty while not learned)."""
@@ -2167,6 +2285,7 @@ class KVIndex:
                     layout_view=describe(rep.learned) if rep.learned else None,
                     layout_hold=rep.hold_kind,
                     partial_reason=rep.partial_reason,
+                    eviction_proof=_proof_state(rep),
                     **rep.counters,
                 )
             )

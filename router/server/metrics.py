@@ -195,6 +195,7 @@ class _StateCollector(Collector):
                     "conformance_mismatches",
                     "inferred_blocks",
                     "closure_kept",
+                    "older_copy_evicted",
                     "witnessed_parents",
                     "implied_blocks",
                     "resets",

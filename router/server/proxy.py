@@ -424,6 +424,11 @@ class Proxy:
         # an in-flight one with the same prefix (speculative hit) adds only its remainder
         pending = max(0, choice.num_tokens - choice.decision.chosen.hit_tokens)
         rep.request_started(rank, pending)  # its queued work (the pool's load-ordered book)
+        try:  # a partial replica's eviction-order proof must know what it may touch
+            choice.pool.sending_to(key, choice.token_ids, choice.body or {})
+        except Exception:
+            log.exception("could not note a request sent to %s", key[0])
+        choice.sent_at = time.monotonic()
         choice.pool.wrote(rep, rank, pending)
         gauge = self._m.in_flight.labels(choice.pool.name, key[0])
         gauge.inc()
@@ -566,6 +571,13 @@ class Proxy:
         metrics.prediction_checked.labels(pool, key[0], rank).inc()
         metrics.prediction_error.labels(pool, key[0], rank).observe(err)
         metrics.predicted_hit.labels(pool).observe(predicted)
+        if choice.token_ids:
+            try:  # what it hit was touched: the eviction-order proof (partial replicas)
+                choice.pool.answered(
+                    key, choice.token_ids, choice.body or {}, actual, choice.sent_at
+                )
+            except Exception:  # an optimisation: never fail the response for it
+                log.exception("could not note %s's hit", label)
         if err == 0:
             metrics.prediction_exact.labels(pool, key[0], rank).inc()
             return

@@ -88,8 +88,10 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
     rep.others_running, rep.others_waiting = others_load(
         parsed["running"], parsed["waiting"], before, rep.in_flight
     )
+    rep.finished = parsed["finished"]
     rep.scraped_at = time.time()
     rep.scrape_error = None
+    pool.scraped(rep, {r: max(before.get(r, 0), n) for r, n in rep.in_flight.items()})
     started = parse_start_time(r.content)
     if restarted(rep.started_at, started):
         old = rep.started_at

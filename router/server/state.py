@@ -82,6 +82,11 @@ class ReplicaState:
     """Probe and request outcomes: whether it is in rotation (router.core.health)."""
     drained: bool = False
     in_flight: dict[int, int] = field(default_factory=dict)
+    sent: dict[int, int] = field(default_factory=dict)
+    """Requests sent per rank since the router started (the eviction-order proof tells its
+    own from other clients' by it: router.core.eviction_order)."""
+    finished: dict[int, float] = field(default_factory=dict)
+    """``vllm:request_success_total`` per engine at the last scrape (empty if not exported)."""
     pending_prefill: dict[int, int] = field(default_factory=dict)
     written: dict[int, DecayingSum] = field(default_factory=dict)
     """New (uncached) prompt tokens the router sent lately, per rank: cache pressure
@@ -133,6 +138,7 @@ class ReplicaState:
     def request_started(self, rank: int, pending: int) -> None:
         """A request was sent to ``rank``; ``pending``: the uncached prompt tokens it owes."""
         self.in_flight[rank] = self.in_flight.get(rank, 0) + 1
+        self.sent[rank] = self.sent.get(rank, 0) + 1
         self.pending_prefill[rank] = self.pending_prefill.get(rank, 0) + pending
         self.touch()
 
@@ -238,6 +244,8 @@ class RouteChoice:
     cached_tokens: int | None = None
     """What the replica's answer reported as ``cached_tokens``, once it is in (the proxy's
     prediction check; the last decisions show it, router.server.decisions)."""
+    sent_at: float = 0.0
+    """When (monotonic) the request was last sent upstream (the eviction-order proof)."""
 
 
 class ShortlistMismatch(RuntimeError):
@@ -487,6 +495,62 @@ class PoolState:
             return 0
         keys, _ = body_request_keys(body, self.cfg.lora_adapters)
         return self.index.infer(key, self.predictor.keys_behind(token_ids, keys, cached_tokens))
+
+    def sending_to(
+        self, key: ReplicaKey, token_ids: list[int] | None, body: dict[str, Any]
+    ) -> None:
+        """A request is about to be sent to ``key``. On a partial replica every key it could
+        touch or store at admission becomes known to the eviction-order proof
+        (router.core.eviction_order): its prompt's blocks in every group."""
+        if self.index.trust(key) != "partial":
+            return
+        keys = None
+        if token_ids is not None:
+            try:
+                req, _ = body_request_keys(body, self.cfg.lora_adapters)
+                keys = self.predictor.all_group_keys(token_ids, req)
+            except Exception:  # None ends the proof: it must know every key
+                log.exception("could not compute the keys of a request to %s", key[0])
+        self.index.witness_sending(key, keys)
+
+    def scraped(self, rep: ReplicaState, mine: dict[int, int]) -> None:
+        """A scrape of ``rep`` read its load (``mine``: the router's in-flight requests per
+        rank at the scrape): tell each partial rank's eviction-order proof whether the router
+        is its only client (router.core.eviction_order)."""
+        partial = {k for k in self.index.partial_replicas() if k[0] == rep.name}
+        if not partial:
+            return
+        now = time.monotonic()
+        for key in partial:
+            rank = key[1]
+            # a rank's own counts, or (unlabelled metrics: -1) the whole replica's
+            own = rank in rep.others_running or rank in rep.others_waiting
+            lab = rank if own else -1
+            others = rep.others_running.get(lab, 0.0) + rep.others_waiting.get(lab, 0.0)
+            finished = rep.finished.get(lab)
+            if own:
+                sent, inflight = rep.sent.get(rank, 0), mine.get(rank, 0)
+            else:
+                sent, inflight = sum(rep.sent.values()), sum(mine.values())
+            self.index.witness_scrape(key, now, others, finished, sent, inflight)
+
+    def answered(
+        self,
+        key: ReplicaKey,
+        token_ids: list[int],
+        body: dict[str, Any],
+        cached_tokens: int,
+        sent_at: float,
+    ) -> None:
+        """vLLM reported ``cached_tokens`` for a request sent at ``sent_at`` (monotonic) to a
+        partial replica: the keys its hit rule needed were touched then, so a copy of each
+        was freed after (router.core.eviction_order). Nothing on other replicas."""
+        if self.index.trust(key) != "partial":
+            return
+        req, _ = body_request_keys(body, self.cfg.lora_adapters)
+        self.index.witness_touched(
+            key, self.predictor.keys_behind(token_ids, req, cached_tokens), sent_at
+        )
 
     def imply_partial(self, token_ids: list[int], body: dict[str, Any]) -> int:
         """Before a decision: record what each partial replica holds of this request's

@@ -10,7 +10,7 @@ __all__ = ["RESTART_TOLERANCE_S", "parse_start_time", "parse_vllm_metrics", "res
 
 _METRIC = re.compile(
     rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"
-    rb"|vllm:gpu_cache_usage_perc)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)",
+    rb"|vllm:gpu_cache_usage_perc|vllm:request_success_total)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)",
     re.M,
 )
 _ENGINE = re.compile(rb'engine="(\d+)"')
@@ -23,12 +23,19 @@ _NAMES = {
     b"vllm:num_requests_waiting": "waiting",
     b"vllm:kv_cache_usage_perc": "kv_usage",
     b"vllm:gpu_cache_usage_perc": "kv_usage",
+    b"vllm:request_success_total": "finished",
 }
 
 
 def parse_vllm_metrics(text: bytes) -> dict[str, dict[int, float]]:
-    """running / waiting / kv_usage per engine (DP rank; -1 when unlabelled), summed."""
-    out: dict[str, dict[int, float]] = {"running": {}, "waiting": {}, "kv_usage": {}}
+    """running / waiting / kv_usage / finished (requests, every reason) per engine (DP rank;
+    -1 when unlabelled), summed."""
+    out: dict[str, dict[int, float]] = {
+        "running": {},
+        "waiting": {},
+        "kv_usage": {},
+        "finished": {},
+    }
     for m in _METRIC.finditer(text):
         name, labels, value = m.groups()
         em = _ENGINE.search(labels or b"")
