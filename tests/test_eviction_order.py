@@ -25,7 +25,7 @@ Key = tuple[int, object]
 
 
 class LRUPool:
-    """A free-queue block pool with copies (the model the proof reasons about)."""
+    """A free-queue block pool with copies (the model the proofs reason about)."""
 
     def __init__(self, n: int) -> None:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n))
@@ -36,8 +36,9 @@ class LRUPool:
     def count(self, k: Key) -> int:
         return len(self.copies.get(k, ()))
 
-    def serve(self, chain: list[Key], recompute_from: int) -> tuple[list[Key], list]:
-        """Run one request; returns the keys it hit and its events (one batch)."""
+    def admit(self, chain: list[Key], recompute_from: int) -> tuple[list[Key], list[int], list]:
+        """Admit a request: hit the cached prefix of ``chain`` (its first copies), allocate
+        and store the rest. Returns the keys it hit, the blocks it holds and the events."""
         events: list[tuple[int, Key]] = []
         h = 0
         while h < min(len(chain), recompute_from) and self.copies.get(chain[h]):
@@ -48,25 +49,39 @@ class LRUPool:
                 del self.free[b]
             self.ref[b] += 1
         for i, k in enumerate(chain[h:]):
-            b, _ = self.free.popitem(last=False)
-            old = self.key.pop(b, None)
-            if old is not None:
-                del self.copies[old][b]
-                if not self.copies[old]:
-                    del self.copies[old]
-                events.append((REMOVED, old))
-            self.key[b] = k
-            self.copies.setdefault(k, {})[b] = None
-            self.ref[b] = 1
             if i == 0 and h:
                 events.append((NAMED, chain[h - 1]))
-            events.append((STORED, k))
-            blocks.append(b)
+            blocks.append(self._store(k, events))
+        return chain[:h], blocks, events
+
+    def _store(self, k: Key, events: list) -> int:
+        b, _ = self.free.popitem(last=False)
+        old = self.key.pop(b, None)
+        if old is not None:
+            del self.copies[old][b]
+            if not self.copies[old]:
+                del self.copies[old]
+            events.append((REMOVED, old))
+        self.key[b] = k
+        self.copies.setdefault(k, {})[b] = None
+        self.ref[b] = 1
+        events.append((STORED, k))
+        return b
+
+    def finish(self, blocks: list[int], decode: list[Key]) -> list:
+        """The request generates ``decode`` blocks (stored), then frees all, tail first."""
+        events: list[tuple[int, Key]] = []
+        blocks = blocks + [self._store(k, events) for k in decode]
         for b in reversed(blocks):
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self.free[b] = None
-        return chain[:h], events
+        return events
+
+    def serve(self, chain: list[Key], recompute_from: int, decode: list[Key] = ()) -> list:
+        """Admit and finish at once: one batch of events."""
+        _, blocks, events = self.admit(chain, recompute_from)
+        return events + self.finish(blocks, list(decode))
 
 
 class LowerBound:
@@ -92,72 +107,122 @@ class LowerBound:
                 new += 1
         return new
 
+    def prove(self, w: EvictionWitness, events: list) -> int:
+        """What KVIndex._witness_batch does with a batch's proofs."""
+        scan = w.scan(events)
+        keep = list(scan.proved)
+        lost = [k for k in scan.removed_live if not self.held[k] and k not in scan.proved]
+        if lost:
+            oldest = w.oldest_held(lambda k: self.held[k] > 0, scan.touched)
+            if oldest is not None:
+                keep += [k for k in lost if oldest < w.live.get(k, oldest)]
+        return self.ensure(keep)
+
 
 def _chain(rng: random.Random, families: int, serial: list[int]) -> list[Key]:
     f = rng.randrange(families)
-    stem = [(0, ("f", f, j)) for j in range(3 + f % 4)]
+    stem = [(0, ("f", f, j)) for j in range(rng.randrange(2, 7))]
     serial[0] += 1
     return stem + [(0, ("u", serial[0], j)) for j in range(rng.randrange(0, 4))]
 
 
+def _decode(rng: random.Random, families: int) -> list[Key]:
+    """Blocks a request generates: sometimes a block another prompt of a family has (a
+    conversation's next turn), so a prompt key also gets copies no prompt stored."""
+    if rng.random() < 0.5:
+        return []
+    return [(0, ("f", rng.randrange(families), rng.randrange(7)))]
+
+
 def run(seed: int, before: int = 60, foreign_after_attach: int = 5, mine: int = 200,
-        blocks: int = 48, families: int = 5) -> tuple[int, int]:  # fmt: skip
-    """Simulate one attach; asserts the lower bound after every request. Returns how many
-    keys the proof held again and how many the index lacked at the end (pool held them)."""
+        blocks: int = 48, families: int = 5, concurrency: int = 3,
+        quiet: int = 10**6) -> tuple[int, int]:  # fmt: skip
+    """Simulate one attach; asserts the lower bound after every batch. Returns how many keys
+    the proofs held again and how many keys the index lacked at the end."""
     rng = random.Random(seed)
     pool, serial = LRUPool(blocks), [0]
 
-    def request() -> tuple[list[Key], list[Key], list]:
-        chain = _chain(rng, families, serial)
-        recompute = rng.randrange(len(chain) + 1) if rng.random() < 0.3 else len(chain)
-        hit, events = pool.serve(chain, recompute)
-        return chain, hit, events
+    def recompute(chain: list[Key]) -> int:
+        return rng.randrange(len(chain) + 1) if rng.random() < 0.3 else len(chain)
 
     for _ in range(before):  # other clients, before the router attached
-        request()
-    w = EvictionWitness(max_keys=10**6, max_quiet_removals=10**6)
+        chain = _chain(rng, families, serial)
+        pool.serve(chain, recompute(chain), _decode(rng, families))
+    w = EvictionWitness(max_keys=10**6, max_quiet_removals=quiet)
     index = LowerBound()
-    for _ in range(foreign_after_attach):  # running at attach, finished before T
-        _, _, events = request()
+
+    def apply(events: list) -> int:
         index.apply(events)
-        w.scan(events)
+        n = index.prove(w, events)
+        for k, c in index.held.items():
+            assert c <= pool.count(k), (k, c, pool.count(k))
+        return n
+
+    for _ in range(foreign_after_attach):  # running at attach, finished before T
+        chain = _chain(rng, families, serial)
+        apply(pool.serve(chain, recompute(chain), _decode(rng, families)))
     w.scrape(1.0, 0)
     w.scrape(2.0, 0)
     assert w.armed
-    proved_total = 0
-    for i in range(mine):
-        sent_at = 3.0 + i
-        chain = _chain(rng, families, serial)
-        w.sending(chain)
-        recompute = rng.randrange(len(chain) + 1) if rng.random() < 0.3 else len(chain)
-        hit, events = pool.serve(chain, recompute)
-        index.apply(events)
-        proved_total += index.ensure(w.scan(events))
-        if rng.random() < 0.85:  # an answer (a failed or cancelled request gives none)
-            index.ensure(hit)  # what it hit is held (KVIndex.infer)
-            w.touched(hit, sent_at)
-        for k, n in index.held.items():
-            assert n <= pool.count(k), (i, k, n, pool.count(k))
+    proved = 0
+    clock = 3.0
+    # the router's requests: sent, admitted by the pool (holding their blocks), finished
+    # (freed), then ended at the router; a cancelled one ends at the router first
+    sent_q: list[dict] = []
+    running: list[dict] = []
+    sent = done = 0
+    while done < mine:
+        clock += 0.1
+        step = rng.random()
+        if sent < mine and len(sent_q) + len(running) < concurrency and step < 0.4:
+            chain = _chain(rng, families, serial)
+            w.sending(sent, chain, chain)
+            r = {"attempt": sent, "chain": chain, "sent_at": clock, "cancelled": False}
+            if rng.random() < 0.1:  # the client leaves: the router ends it now
+                w.ended(sent, clock, finished=False)
+                r["cancelled"] = True
+            sent_q.append(r)
+            sent += 1
+        elif sent_q and (step < 0.7 or not running):
+            r = sent_q.pop(rng.randrange(len(sent_q)))
+            r["hit"], r["blocks"], events = pool.admit(r["chain"], recompute(r["chain"]))
+            proved += apply(events)
+            running.append(r)
+        elif running:
+            r = running.pop(rng.randrange(len(running)))
+            proved += apply(pool.finish(r["blocks"], _decode(rng, families)))
+            if not r["cancelled"]:
+                if rng.random() < 0.9:  # its answer (a failed request gives none)
+                    index.ensure(r["hit"])  # what it hit is held (KVIndex.infer)
+                    w.touched(r["hit"], r["sent_at"])
+                clock += 0.05
+                w.ended(r["attempt"], clock, finished=rng.random() < 0.95)
+            done += 1
     lacking = sum(1 for k in pool.copies if not index.held[k])
-    return proved_total, lacking
+    return proved, lacking
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
-    blocks=st.integers(24, 96),
+    blocks=st.integers(48, 96),  # 4 requests in flight hold up to 40
     families=st.integers(2, 8),
     foreign=st.integers(0, 10),
+    concurrency=st.integers(1, 4),
+    quiet=st.sampled_from([0, 10**6]),
 )
-def test_the_proof_never_claims_a_block_the_pool_lacks(
-    seed: int, blocks: int, families: int, foreign: int
+def test_the_proofs_never_claim_a_block_the_pool_lacks(
+    seed: int, blocks: int, families: int, foreign: int, concurrency: int, quiet: int
 ) -> None:
-    run(seed, blocks=blocks, families=families, foreign_after_attach=foreign)
+    run(seed, blocks=blocks, families=families, foreign_after_attach=foreign,
+        concurrency=concurrency, quiet=quiet)  # fmt: skip
 
 
-def test_the_proof_holds_keys_again_that_the_pool_still_has() -> None:
-    """Not vacuous: over seeded runs it re-holds keys whose older copy was evicted."""
-    proved = sum(run(seed)[0] for seed in range(20))
+@pytest.mark.parametrize("quiet", [10**6, 0], ids=["both", "older-block-only"])
+def test_the_proofs_hold_keys_again_that_the_pool_still_has(quiet: int) -> None:
+    """Not vacuous: over seeded runs they re-hold keys whose older copy was evicted (with
+    ``max_quiet_removals = 0`` the first proof stops at once: the older-block one alone)."""
+    proved = sum(run(seed, quiet=quiet)[0] for seed in range(20))
     assert proved >= 20, proved
 
 
@@ -170,10 +235,10 @@ def test_another_client_after_t_breaks_the_proof_so_its_scrape_turns_it_off() ->
     live, stale = (0, "live"), (0, "unknown")
     w.touched([live], sent_at=3.0)
     # the live copy itself is evicted, then a block another client freed after it
-    assert w.scan([(REMOVED, live), (REMOVED, stale)]) == {live}  # wrong: why the gate
+    assert w.scan([(REMOVED, live), (REMOVED, stale)]).proved == {live}  # wrong: the gate
     w.scrape(4.0, 1)  # the scrape shows that client's request
     assert w.off is not None and not w.armed
-    assert w.scan([(REMOVED, live), (REMOVED, stale)]) == set()
+    assert w.scan([(REMOVED, live), (REMOVED, stale)]).proved == set()
 
 
 def test_arming_needs_two_clean_scrapes_in_a_row() -> None:
@@ -201,14 +266,125 @@ def test_a_request_finished_between_scrapes_is_counted_as_another_clients() -> N
     assert w.off == "another client sends it requests"
 
 
+def test_the_older_block_proof_needs_a_block_freed_before_the_copy_and_still_held() -> None:
+    """Hand-derived: block X (freed when request 0 ended, at 3.5) is still held when a copy
+    of K goes; K's copy that request 1 (sent at 4.0) hit was freed after 4.0, so the LRU
+    queue would have evicted X first: the copy that went was an older one."""
+    w = EvictionWitness(max_keys=100, max_quiet_removals=0)
+    w.scrape(1.0, 0)
+    w.scrape(2.0, 0)
+    x, k = (0, "x"), (0, "k")
+    w.sending(0, [x], [x])
+    w.ended(0, 3.5, finished=True)
+    w.sending(1, [k], [k])
+    w.touched([k], sent_at=4.0)
+    w.ended(1, 4.5, finished=True)
+    held = {x}.__contains__
+    assert w.scan([(REMOVED, k)]).removed_live == {k}
+    assert w.oldest_held(held, set()) == 3.5 < w.live[k]
+    # X in a request in flight: maybe in use, so no bound, even once another one ends
+    w.sending(2, [x], [x])
+    assert w.oldest_held(held, set()) is None
+    w.sending(5, [x], [x])
+    w.ended(5, 4.8, finished=True)
+    assert w.oldest_held(held, set()) is None
+    w.ended(2, 5.0, finished=True)
+    assert w.oldest_held(held, set()) == 5.0  # now newer than K's copy: no proof
+    # a request that did not finish: its keys are never bounded again
+    w.sending(3, [x], [x])
+    w.ended(3, 6.0, finished=False)
+    assert w.oldest_held(held, set()) is None
+    # a store while a request is in flight waits for it: it may have stored the copy
+    y = (0, "y")
+    w.sending(4, [], [])
+    w.scan([(STORED, y)])
+    assert w.oldest_held({y}.__contains__, set()) is None
+    w.ended(4, 7.0, finished=True)
+    assert w.oldest_held({y}.__contains__, set()) == 7.0
+    assert w.oldest_held({y}.__contains__, {y}) is None  # the batch named it: not used
+
+
 @pytest.mark.parametrize("limit", ["keys", "quiet"])
 def test_its_records_are_bounded(limit: str) -> None:
     w = EvictionWitness(max_keys=10, max_quiet_removals=3)
     w.scrape(1.0, 0)
     w.scrape(2.0, 0)
     if limit == "keys":
-        w.sending([(0, i) for i in range(11)])
+        w.sending(0, [(0, i) for i in range(11)])
+        assert w.off is not None and not w.seen and not w.live
     else:
-        w.sending([(0, i) for i in range(5)])
+        w.sending(0, [(0, i) for i in range(5)])
         w.scan([(REMOVED, (0, i)) for i in range(5)])  # known blocks only: no proof to come
-    assert w.off is not None and not w.seen and not w.live
+        assert w.off is None and w.quiet is None and not w.seen  # the first proof stopped
+
+
+# --- the index's use of the proofs (KVIndex._witness_batch, witness_scrape) ---------------
+
+
+def _partial_index():
+    from events.layout import GroupKind, GroupSpec, ModelLayout
+    from router.core.index import KVIndex
+
+    fa = GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16)
+    index = KVIndex(ModelLayout(groups=(fa,)), verify_hashes=False)
+    index.add_replica("A")
+    index.attached_late(("A", 0), "test")
+    return index
+
+
+def _store(hashes: list[int]):
+    from events.schema import BlockStored
+
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=None, token_ids=list(range(16 * len(hashes))),
+        block_size=16, medium="GPU", group_idx=0,
+    )  # fmt: skip
+
+
+def _remove(hashes: list[int]):
+    from events.schema import BlockRemoved
+
+    return BlockRemoved(block_hashes=hashes, medium="GPU", group_idx=0)
+
+
+def _stores(index, attempt: int, h: int, sent: float) -> None:
+    """Request ``attempt`` (prompt block ``h``), sent at ``sent``, stores ``h`` and ends 0.5
+    later: the block was last freed then."""
+    index.witness_sending(("A", 0), attempt, [(0, h)], [(0, h)])
+    index.apply_events(("A", 0), [_store([h])])
+    index.witness_ended(("A", 0), attempt, sent + 0.5, True)
+
+
+def _hits(index, attempt: int, h: int, sent: float) -> None:
+    """Request ``attempt``, sent at ``sent``, hit ``h`` (cached before attach: its answer
+    taught it) and ends 0.5 later."""
+    index.witness_sending(("A", 0), attempt, [(0, h)], [(0, h)])
+    index.infer(("A", 0), [(0, h)])
+    index.witness_touched(("A", 0), [(0, h)], sent)
+    index.witness_ended(("A", 0), attempt, sent + 0.5, True)
+
+
+def test_the_index_holds_again_what_a_proof_keeps_and_retires_it_on_another_client() -> None:
+    A = ("A", 0)
+    index = _partial_index()
+    held = lambda h: index.copies(A, 0, h) > 0  # noqa: E731
+    index.witness_scrape(A, 1.0, 0, None, 0, 0)
+    index.witness_scrape(A, 2.0, 0, None, 0, 0)
+    assert index.stats()[0].eviction_proof == "armed"
+    _stores(index, 0, 11, 3.0)  # block 11 freed at 3.5
+    _hits(index, 1, 22, 4.0)  # a copy of 22 freed after 4.0
+    # a copy of 22 is evicted while 11 (freed before 4.0) is still held: an older copy went
+    index.apply_events(A, [_remove([22])])
+    assert held(22) and index.stats()[0].older_copy_evicted == 1
+    # without 11 held there is no proof
+    index.apply_events(A, [_remove([11])])
+    index.apply_events(A, [_remove([22])])
+    assert not held(22)
+    # another client shows up at the next scrape: what was kept since the last clean one goes
+    _stores(index, 2, 33, 5.0)
+    _hits(index, 3, 44, 6.0)
+    index.apply_events(A, [_remove([44])])
+    assert held(44)
+    index.witness_scrape(A, 7.0, 1, None, 0, 0)
+    assert not held(44) and held(33)
+    assert index.stats()[0].eviction_proof == "off: another client sends it requests"

@@ -76,9 +76,9 @@ def test_late_attach_is_partial_learns_from_answers_and_converges(cluster: SimCl
         assert cluster.metric("kvrouter_replica_trust", dp_rank="0", pool=MODEL, replica=name,
                               state="partial") == 1.0  # fmt: skip
 
-    # The eviction-order proof arms once two metrics scrapes in a row show the router is
+    # The eviction-order proofs arm once two metrics scrapes in a row show the router is
     # each replica's only client (router.core.eviction_order); a real router gets there a
-    # second after it starts, this test's 150 requests take about as long.
+    # second or two after it starts, this test's 150 requests take about as long.
     wait_for(lambda: _proofs(cluster) == {"armed"}, 10, "the eviction-order proofs armed")
 
     # What each replica held twice at attach (a block vLLM stored again after a shorter
@@ -126,12 +126,12 @@ def test_late_attach_is_partial_learns_from_answers_and_converges(cluster: SimCl
         assert (name, s) in before_prefixes, f"request {i}: a miss on a prefix cached after attach"
     # The ring's stores name the blocks they follow (witnesses) and held keys imply their
     # full-attention ancestors and sliding windows, so a prefix cached before attach is
-    # predicted from its first request when the ring saw it used. What remains: the first
+    # predicted from its first request when the ring saw it used. What may remain: the first
     # request of a prefix the ring never saw used, and the removal of one of two copies a
-    # replica held at attach (the index, which learned of one copy, drops the key while the
-    # other copy serves the hit). Any other miss is a bug.
+    # replica held at attach that the eviction-order proofs could not yet tell from the one
+    # vLLM's hits use. Any other miss is a bug.
     assert not unexplained, f"misses not explained by a copy held twice at attach: {unexplained}"
-    assert exact >= 146
+    assert exact >= 149  # issue 12 asks >= 99 %; seeds 5-24: 149-150 (a first touch)
 
     def ops(outcome: str) -> float:
         return sum(
@@ -145,9 +145,9 @@ def test_late_attach_is_partial_learns_from_answers_and_converges(cluster: SimCl
             for n in NAMES
         )
 
-    # The eviction-order proof keeps keys whose older copy was evicted (a miss left is one
-    # whose proof came with the next request's allocation, too late for it). At the default
-    # seed it kept 8 and every request was exact (seeds 5-12: 146-150 of 150, 144-150 without).
+    # The eviction-order proofs keep keys whose older copy was evicted (without them: 145-150
+    # over seeds 5-12, misses on copies held twice at attach). At the default seed they kept
+    # some and every request was exact.
     if "KVROUTER_LATE_ATTACH_SEED" not in os.environ:
         assert ops("older_copy_evicted") > 0 and exact == 150
 

@@ -301,10 +301,11 @@ class IndexLimits:
     (``_Replica.gone``, about 130 bytes each): past it, windows are no longer implied for that
     replica (router.core.predict.Predictor.implied_keys; full attention and witnessed parents
     go on). Implication matters most just after attach, so the bound is small."""
-    max_witness_keys: int = 1 << 20
-    """Keys a *partial* replica's eviction-order proof remembers as known since attach
-    (router.core.eviction_order, about 100 bytes each); past it the proof is off for that
-    replica (predictions stay a lower bound, only less often exact)."""
+    max_witness_keys: int = 1 << 18
+    """Keys a *partial* replica's eviction-order proofs remember as known since attach, and
+    keys they keep a time bound for (router.core.eviction_order, up to about 300 bytes per
+    key in all); past it the proofs are off for that replica (predictions stay a lower bound,
+    only less often exact)."""
     max_quiet_removals: int = 1 << 16
     """Removals in a row of blocks known since attach after which a partial replica's
     eviction-order proof stops (router.core.eviction_order): the blocks cached before attach
@@ -1376,9 +1377,21 @@ class KVIndex:
             if what == STORED and ev.parent_block_hash is not None:
                 items.append((NAMED, (g, ev.parent_block_hash)))
             items.extend((what, (g, h)) for h in ev.block_hashes)
-        tables = self._tiers["GPU"]
-        for g, h in witness.scan(items):
+        tables, bit = self._tiers["GPU"], rep.bit
+
+        def held(k: tuple[int, object]) -> bool:
+            return k[0] < len(tables.tables) and bool(tables.tables[k[0]].get(k[1], 0) & bit)
+
+        scan = witness.scan(items)
+        keep = [k for k in scan.proved if not held(k)]
+        lost = [k for k in scan.removed_live if not held(k) and k not in scan.proved]
+        if lost:  # the older-block proof: one still held was freed before their copies
+            oldest = witness.oldest_held(held, scan.touched)
+            if oldest is not None:
+                keep.extend(k for k in lost if oldest < witness.live.get(k, oldest))
+        for g, h in keep:
             if g < len(tables.tables) and self._hold(rep, tables, g, h):
+                witness.recent.add((g, h))
                 rep.counters["older_copy_evicted"] += 1
                 if rep.gone is not None:
                     rep.gone.discard((g, h))
@@ -1398,17 +1411,32 @@ class KVIndex:
             reason,
         )
 
-    def witness_sending(self, key: ReplicaKey, keys: Iterable[tuple[int, object]] | None) -> None:
-        """A request is being sent to ``key``: the keys it could touch or store at admission
-        (router.core.eviction_order.EvictionWitness.sending; None when they cannot be
-        computed, which ends the proof: it needs them all). Nothing unless it is partial."""
+    def witness_sending(
+        self,
+        key: ReplicaKey,
+        attempt: int,
+        keys: Iterable[tuple[int, object]] | None,
+        tracked: Iterable[tuple[int, object]] = (),
+    ) -> None:
+        """Request ``attempt`` is being sent to ``key``: the keys it could touch or store at
+        admission and the ones the older-block proof bounds
+        (router.core.eviction_order.EvictionWitness.sending; ``keys`` None when they cannot be
+        computed, which ends the proofs: they need them all). Nothing unless it is partial."""
         rep = self._replicas.get(key)
         if rep is None or rep.witness is None:
             return
         if keys is None:
             self._witness_off(rep, "a request's keys could not be computed (layout unknown)")
         else:
-            rep.witness.sending(keys)
+            rep.witness.sending(attempt, keys, tracked)
+
+    def witness_ended(self, key: ReplicaKey, attempt: int, now: float, finished: bool) -> None:
+        """Request ``attempt`` to ``key`` left the router (EvictionWitness.ended)."""
+        rep = self._replicas.get(key)
+        if rep is not None and rep.witness is not None:
+            rep.witness.ended(attempt, now, finished)
+            if rep.witness.off is not None:
+                self._witness_off(rep, rep.witness.off)
 
     def witness_touched(
         self, key: ReplicaKey, keys: Iterable[tuple[int, object]], sent_at: float
@@ -1432,7 +1460,23 @@ class KVIndex:
         only client. Nothing unless the replica is partial."""
         rep = self._replicas.get(key)
         if rep is not None and rep.witness is not None:
-            rep.witness.scrape(now, others, finished, sent, mine)
+            witness = rep.witness
+            witness.scrape(now, others, finished, sent, mine)
+            if witness.off is not None:
+                self._witness_off(rep, witness.off)
+                if witness.recent:
+                    # another client ran since the last clean scrape: what the proofs kept
+                    # since then rests on a premise that no longer held; retire it
+                    by_group: dict[int, list[object]] = {}
+                    for g, h in witness.recent:
+                        by_group.setdefault(g, []).append(h)
+                    self.apply_events(
+                        key,
+                        [
+                            BlockRemoved(block_hashes=hs, medium="GPU", group_idx=g)
+                            for g, hs in by_group.items()
+                        ],
+                    )
 
     def _fa_groups(self) -> frozenset[int]:
         """Group ids of the pool's full-attention-type groups (empty while not learned)."""

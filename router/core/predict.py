@@ -373,6 +373,14 @@ class Predictor:
         groups = [g for sg in layout.spec_groups for g in sg.group_ids]
         return [(g, chain.wire(i)) for i in range(len(chain)) for g in groups]
 
+    def tracked_group(self) -> int | None:
+        """The group whose keys the eviction-order proof bounds (router.core.eviction_order):
+        the first full-attention one, whose blocks every prompt has; None if none."""
+        layout = self.index.layout
+        if layout is None:
+            return None
+        return next((sg.group_ids[0] for sg in layout.spec_groups if sg.spec.is_fa_type), None)
+
     def implied_keys(
         self,
         token_ids: Sequence[int],

@@ -424,10 +424,12 @@ class Proxy:
         # an in-flight one with the same prefix (speculative hit) adds only its remainder
         pending = max(0, choice.num_tokens - choice.decision.chosen.hit_tokens)
         rep.request_started(rank, pending)  # its queued work (the pool's load-ordered book)
-        try:  # a partial replica's eviction-order proof must know what it may touch
-            choice.pool.sending_to(key, choice.token_ids, choice.body or {})
+        attempt: int | None = None
+        try:  # a partial replica's eviction-order proofs must know what it may touch
+            attempt = choice.pool.sending_to(key, choice.token_ids, choice.body or {})
         except Exception:
             log.exception("could not note a request sent to %s", key[0])
+        finished = False  # its answer read whole (vLLM freed its blocks before the last byte)
         choice.sent_at = time.monotonic()
         choice.pool.wrote(rep, rank, pending)
         gauge = self._m.in_flight.labels(choice.pool.name, key[0])
@@ -456,6 +458,7 @@ class Proxy:
                         data = await resp.read()
                     except UpstreamError as exc:
                         raise _Upstream(f"reading the body: {exc}") from None
+                    finished = status < 500  # an engine error: when it freed is not said
                     if status >= 500:
                         raise _Upstream(
                             f"HTTP {status}",
@@ -519,6 +522,7 @@ class Proxy:
                     return
                 if first:  # an empty 200 stream: say so rather than hang up
                     raise _Upstream("empty stream")
+                finished = True
                 rest = stripper.flush() if stripper is not None else b""
                 await send({"type": "http.response.body", "body": rest, "more_body": False})
                 if stripper is not None and stripper.usage is not None:
@@ -538,6 +542,11 @@ class Proxy:
                 choice.pool.speculative.finish(choice.insertion)
             rep.request_finished(rank, pending)
             gauge.dec()
+            if attempt is not None:
+                try:
+                    choice.pool.sent_done(key, attempt, finished)
+                except Exception:
+                    log.exception("could not note the end of a request to %s", key[0])
 
     def _check(
         self,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import math
 import socket
@@ -279,6 +280,8 @@ class PoolState:
                 )
             )
         self.predictor = Predictor(self.index)
+        self._attempts = itertools.count()
+        """Numbers the requests sent to partial replicas (router.core.eviction_order)."""
         self.speculative: SpeculativeOverlay | None = None
         if cfg.policy.speculative_insert and cfg.policy.name in ("kv", "prefix_group_blind"):
             self.speculative = SpeculativeOverlay(
@@ -498,20 +501,33 @@ class PoolState:
 
     def sending_to(
         self, key: ReplicaKey, token_ids: list[int] | None, body: dict[str, Any]
-    ) -> None:
+    ) -> int | None:
         """A request is about to be sent to ``key``. On a partial replica every key it could
-        touch or store at admission becomes known to the eviction-order proof
-        (router.core.eviction_order): its prompt's blocks in every group."""
+        touch or store at admission becomes known to the eviction-order proofs
+        (router.core.eviction_order): its prompt's blocks in every group, those of the first
+        full-attention group tracked for bounds. Returns the attempt's number for
+        :meth:`sent_done` (None: not partial, nothing to report)."""
         if self.index.trust(key) != "partial":
-            return
-        keys = None
+            return None
+        keys = tracked = None
         if token_ids is not None:
             try:
                 req, _ = body_request_keys(body, self.cfg.lora_adapters)
                 keys = self.predictor.all_group_keys(token_ids, req)
-            except Exception:  # None ends the proof: it must know every key
+                g0 = self.predictor.tracked_group()
+                tracked = [k for k in keys or () if k[0] == g0]
+            except Exception:  # None ends the proofs: they must know every key
                 log.exception("could not compute the keys of a request to %s", key[0])
-        self.index.witness_sending(key, keys)
+                keys = None
+        attempt = next(self._attempts)
+        self.index.witness_sending(key, attempt, keys, tracked or ())
+        return attempt
+
+    def sent_done(self, key: ReplicaKey, attempt: int | None, finished: bool) -> None:
+        """The request :meth:`sending_to` numbered left the router; ``finished``: its answer
+        was read whole (else it failed or was cancelled)."""
+        if attempt is not None:
+            self.index.witness_ended(key, attempt, time.monotonic(), finished)
 
     def scraped(self, rep: ReplicaState, mine: dict[int, int]) -> None:
         """A scrape of ``rep`` read its load (``mine``: the router's in-flight requests per
