@@ -76,10 +76,10 @@ def test_late_attach_is_partial_learns_from_answers_and_converges(cluster: SimCl
         assert cluster.metric("kvrouter_replica_trust", dp_rank="0", pool=MODEL, replica=name,
                               state="partial") == 1.0  # fmt: skip
 
-    # The eviction-order proofs arm once two metrics scrapes in a row show the router is
+    # The eviction-order proof arms once two metrics scrapes in a row show the router is
     # each replica's only client (router.core.eviction_order); a real router gets there a
     # second or two after it starts, this test's 150 requests take about as long.
-    wait_for(lambda: _proofs(cluster) == {"armed"}, 10, "the eviction-order proofs armed")
+    wait_for(lambda: _proofs(cluster) == {"armed"}, 10, "the eviction-order proof armed")
 
     # What each replica held twice at attach (a block vLLM stored again after a shorter
     # hybrid hit): the one kind of state no event and no answer can reveal.
@@ -128,7 +128,7 @@ def test_late_attach_is_partial_learns_from_answers_and_converges(cluster: SimCl
     # full-attention ancestors and sliding windows, so a prefix cached before attach is
     # predicted from its first request when the ring saw it used. What may remain: the first
     # request of a prefix the ring never saw used, and the removal of one of two copies a
-    # replica held at attach that the eviction-order proofs could not yet tell from the one
+    # replica held at attach that the eviction-order proof could not yet tell from the one
     # vLLM's hits use. Any other miss is a bug.
     assert not unexplained, f"misses not explained by a copy held twice at attach: {unexplained}"
     assert exact >= 149  # issue 12 asks >= 99 %; seeds 5-24: 149-150 (a first touch)
@@ -145,8 +145,8 @@ def test_late_attach_is_partial_learns_from_answers_and_converges(cluster: SimCl
             for n in NAMES
         )
 
-    # The eviction-order proofs keep keys whose older copy was evicted (without them: 145-150
-    # over seeds 5-12, misses on copies held twice at attach). At the default seed they kept
+    # The eviction-order proof keeps keys whose older copy was evicted (without it: 145-150
+    # over seeds 5-12, misses on copies held twice at attach). At the default seed it kept
     # some and every request was exact.
     if "KVROUTER_LATE_ATTACH_SEED" not in os.environ:
         assert ops("older_copy_evicted") > 0 and exact == 150

@@ -213,6 +213,13 @@ def test_router_attached_late_is_partial_and_learns_from_vllms_answers() -> None
                         cached,
                     )
                 )
+            # the eviction-order proof reads vLLM's own metrics (running, waiting, finished
+            # requests): with the router as the only client they arm
+            streams = admin.get("/admin/events").json()["streams"]
+            proofs = {s["replica"]: s["index"]["eviction_proof"] for s in streams}
+            kept = sum(s["index"]["older_copy_evicted"] for s in streams)
+            print(f"eviction-order proofs on real vLLM: {proofs}, kept {kept}")
+            assert set(proofs.values()) == {"armed"}, proofs
     over = [row for row in rows if row[1] > row[2]]
     assert not over, f"a partial replica over-predicted: {over}"
     exact = sum(1 for row in rows if row[1] == row[2])

@@ -10,40 +10,35 @@ predicted short. On the late-attach test (tests/test_late_attach.py) every miss 
 the other partial rules was one of those.
 
 vLLM's free queue is an LRU (spec §2.1): blocks join its tail when their last request frees
-them, a hit takes a block out (``touch``), and an allocation evicts from the head. So the
-blocks it evicts come in order of the time they were last freed, and a block that is free is
-evicted before every block freed after it. Two proofs follow, both resting on one premise:
+them, a hit takes a block out (``touch``), and an allocation evicts from the head. So a block
+that is free is evicted before every block freed after it. The proof rests on one premise:
 from a moment ``T`` on the router is the replica's only client (every request running at
 ``T`` has finished, none came from elsewhere since), so every block freed after ``T`` was
-freed by a request the router sent, and the router knows which keys each could touch (its
-prompt's blocks in every group, noted as it is sent) and when it ended.
-
-- **An unknown eviction.** A block whose key the router never knew since attach (no event
-  stored or named it, no request the router sent had it in its prompt) was last freed before
-  ``T``. When one is evicted, every eviction before it took a block freed before ``T`` too: a
-  key with a copy freed after ``T`` (one a request sent after ``T`` hit, or an event stored)
-  still holds that copy, whatever removals the index applied on the way.
-- **An older block still held.** The router bounds when each block of the first
-  full-attention group was last freed: by the end of the last request that had it in its
-  prompt (vLLM frees a finished request's blocks before its last byte), or of every request in
-  flight when an event stored it (a decode block); never for one a cancelled or failed
-  request had (vLLM frees it when it gets to the abort). A block the index holds, that no
-  request in flight may be using, freed before a request sent at ``s`` hit key K, is in the
-  free queue ahead of K's copy, which that request freed after ``s``: a removal of K while it
-  is held took another copy. Such keys are held again (``KVIndex``, ``older_copy_evicted``).
+freed by a request the router sent, and the router knows what each one's prompt was and when
+it ended. It then bounds when each block of the first full-attention group was last freed:
+by the end of the last request that had it in its prompt (vLLM frees a finished request's
+blocks before its last byte), or of every request in flight when an event stored it (a decode
+block); never for one a cancelled or failed request had (vLLM frees it when it gets to the
+abort, unseen). A block the index holds, that no request in flight may be using, last freed
+before a request sent after ``T`` at ``s`` hit key K (or before ``T``, for a K an event
+stored after ``T``), is in the free queue ahead of K's newer copy: a removal of K while that
+block is still held took another, older copy. Such keys are held again (``KVIndex``,
+counter ``older_copy_evicted``).
 
 ``T`` is read from the replica's own metrics: two scrapes in a row (one scrape interval
 apart, so the events of anything that ran before are in) that show no request but the
 router's. Any later scrape that shows another client's request (running or waiting, or
 ``vllm:request_success_total`` growing by more than the router sent and had in flight) turns
-the proofs off for the rest of the partial period: their premise is gone, so the keys they
-kept since the last clean scrape are retired and predictions stay the plain lower bound. The
-gate sees another client up to a scrape interval late: a proof made in that interval may be
-wrong until then (the price of reading the premise from metrics).
+the proof off for the rest of the partial period: its premise is gone, so the keys it kept
+since the last clean scrape are retired and predictions stay the plain lower bound. The gate
+sees another client up to a scrape interval late: a proof made in that interval may be wrong
+until then (the price of reading the premise from metrics).
 
 Measured (``KVROUTER_LATE_ATTACH_SEED=N pytest -s tests/test_late_attach.py -k converges``):
-seeds 5-24, 2,999 of 3,000 requests exact once the proofs armed (the miss: a first touch);
-seeds 5-12 without them 1,180 of 1,200, with the unknown-eviction proof alone 1,186.
+seeds 5-24, 2,999 of 3,000 requests exact once the proof armed (the miss: a first touch);
+seeds 5-12 without it 1,180 of 1,200. An earlier second proof (the eviction of a block no
+request or event had named proves every eviction before it took a block freed before ``T``)
+added nothing on top of this one there and needed a record of every key seen, so it went.
 
 Everything here is pure: no I/O, no clock (times are passed in).
 """
@@ -55,49 +50,34 @@ from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-__all__ = ["NAMED", "REMOVED", "STORED", "EvictionWitness", "Key", "Scan"]
+__all__ = ["EvictionWitness", "Key"]
 
 Key = tuple[int, object]
 """``(group, wire hash)`` of a GPU block."""
 
-REMOVED, STORED, NAMED = 0, 1, 2
-"""What a batch's event did to a key (:meth:`EvictionWitness.scan`): a ``BlockRemoved``, a
-``BlockStored`` of it, or a store naming it as parent (only known: which copy is unsaid)."""
-
 
 @dataclass(slots=True)
 class EvictionWitness:
-    """One partial replica's record for the eviction-order proofs (module docstring)."""
+    """One partial replica's record for the eviction-order proof (module docstring)."""
 
     max_keys: int
-    """Keys ``seen`` (and, likewise, the bounds of the older-block proof) may hold; past it
-    the proofs are off (an unknown key could no longer be told from a forgotten one)."""
-    max_quiet_removals: int
-    """Removals without an unknown one after which the first proof stops: the blocks cached
-    before attach are then all evicted or in use, so it has nothing more to prove."""
-    seen: set[Key] = field(default_factory=set)
-    """Every key the router knew on this replica since attach (stored, named, sent, hit)."""
+    """Keys it may keep a record for (bounds and newer copies); past it, after dropping those
+    the index no longer holds, the proof is off for the partial period."""
     live: dict[Key, float] = field(default_factory=dict)
-    """Keys with a copy last freed after ``armed_at``, each with a time its copy was freed
-    after (the send time of the request that hit it, or ``clean_at`` for a store)."""
-    pending: set[Key] = field(default_factory=set)
-    """Live keys removed since the last unknown eviction: proved kept by the next one."""
+    """Keys with a copy last freed after ``T``, each with a time that copy was freed after
+    (the send time of the request that hit it, or ``clean_at`` for a stored one)."""
     clean_at: float | None = None
     """The first of the scrapes in a row that showed no other client (None: none yet)."""
     armed_at: float | None = None
     """``T``: from then on the router is the replica's only client (None: not yet)."""
     off: str | None = None
-    """Why the proofs are off for the rest of the partial period (None: they are not)."""
-    quiet: int | None = 0
-    """Removals since the last unknown one (or since arming); None once the first proof
-    stopped (``max_quiet_removals``)."""
+    """Why the proof is off for the rest of the partial period (None: it is not)."""
     recent: set[Key] = field(default_factory=set)
-    """Keys the proofs made the index hold since the last clean scrape: the ones to retire
-    if the next scrape shows another client (the premise may have failed since then)."""
+    """Keys the proof made the index hold since the last clean scrape: the ones to retire if
+    the next scrape shows another client (the premise may have failed since then)."""
     _base: tuple[float | None, int, int] | None = None
     """At the first clean scrape: the replica's finished count, the router's sent count and
     its requests in flight (:meth:`scrape`)."""
-    # the older-block proof: bounds on when each tracked block was last freed
     _inflight: dict[int, list[Key]] = field(default_factory=dict)
     """Per request in flight (its attempt number): its tracked keys."""
     _next: int = 0
@@ -135,11 +115,11 @@ class EvictionWitness:
         requests (``vllm:request_success_total``, None if it does not export it), ``sent``
         the requests the router has sent it so far and ``mine`` those in flight now.
 
-        Two clean scrapes in a row arm the proofs (the later one's time is ``T``: every
-        batch emitted before the first is in by then). Another client shows as a request
-        running or waiting, or, between scrapes, as more requests finished since the first
-        clean scrape than the router sent or had in flight then. Before arming that starts
-        over; after, it turns the proofs off."""
+        Two clean scrapes in a row arm the proof (the later one's time is ``T``: every batch
+        emitted before the first is in by then). Another client shows as a request running
+        or waiting, or, between scrapes, as more requests finished since the first clean
+        scrape than the router sent or had in flight then. Before arming that starts over;
+        after, it turns the proof off (``recent`` then says what to retire)."""
         if self.off is not None:
             return
         foreign = others > 0
@@ -158,31 +138,22 @@ class EvictionWitness:
             self.clean_at, self._base = now, (finished, sent, mine)
         elif now > self.clean_at:
             self.armed_at = now
-            self.quiet = 0
 
     def turn_off(self, reason: str) -> None:
+        """Off for the partial period; its records are freed (``recent`` is kept)."""
         self.off = reason
-        self.seen.clear()
-        self.live.clear()
-        self.pending.clear()
-        self._inflight.clear()
-        self._busy.clear()
-        self._last.clear()
+        for d in (self.live, self._inflight, self._busy, self._last, self._tainted, self._entry):
+            d.clear()
         self._never.clear()
         self._taints.clear()
-        self._tainted.clear()
         self._heap.clear()
-        self._entry.clear()
 
-    def sending(self, attempt: int, keys: Iterable[Key], tracked: Iterable[Key] = ()) -> None:
+    def sending(self, attempt: int, tracked: Iterable[Key]) -> None:
         """A request (``attempt``: a number that grows with each request the router sends)
-        is being sent. ``keys``: every key it could touch or store at admission (its prompt's
-        blocks in every group), known from now on whatever its answer (a request that fails
-        or is cancelled never reports what it hit, but its blocks are freed). ``tracked``:
-        those of them the older-block proof bounds (one group's)."""
+        is being sent; ``tracked``: its prompt's blocks in the tracked group, which it may
+        touch or store from now until it ends."""
         if self.off is not None:
             return
-        self.seen.update(keys)
         tracked = list(tracked)
         self._inflight[attempt] = tracked
         self._next = max(self._next, attempt + 1)
@@ -190,7 +161,6 @@ class EvictionWitness:
         for k in tracked:
             busy[k] = busy.get(k, 0) + 1
             entry.pop(k, None)
-        self._bound()
 
     def ended(self, attempt: int, now: float, finished: bool) -> None:
         """The request ``attempt`` left the router at ``now``; ``finished``: its answer was
@@ -223,7 +193,6 @@ class EvictionWitness:
                 del tainted[k]
             self._last[k] = now
             self._push(k)
-        self._bound()
 
     def _push(self, k: Key) -> None:
         if k in self._busy or k in self._tainted or k in self._never or k not in self._last:
@@ -236,59 +205,35 @@ class EvictionWitness:
     def touched(self, keys: Iterable[Key], sent_at: float) -> None:
         """Keys a request sent at ``sent_at`` hit (the blocks vLLM's hit rule needed for its
         ``cached_tokens``): vLLM touched a copy of each, freed when the request ended."""
-        if self.off is not None:
+        if not self.armed or sent_at < self.armed_at:  # type: ignore[operator]
             return
-        keys = list(keys)
-        self.seen.update(keys)
-        if self.armed_at is not None and sent_at >= self.armed_at:
-            live = self.live
-            for k in keys:
-                if live.get(k, sent_at) <= sent_at:
-                    live[k] = sent_at
-        self._bound()
+        live = self.live
+        for k in keys:
+            if live.get(k, sent_at) <= sent_at:
+                live[k] = sent_at
 
-    def scan(self, events: Iterable[tuple[int, Key]]) -> Scan:
-        """One applied batch's GPU events in order, ``(what, key)`` with ``what`` one of
-        :data:`REMOVED`, :data:`STORED`, :data:`NAMED`: what the proofs make of it."""
-        out = Scan()
+    def scan(self, events: Iterable[tuple[bool, Key]]) -> tuple[set[Key], set[Key]]:
+        """One applied batch's GPU events in order, ``(stored, key)`` (``stored`` False: a
+        ``BlockRemoved``). Returns the live keys it removed (held still if an older block is:
+        :meth:`oldest_held`) and every key it named."""
+        removed: set[Key] = set()
+        named: set[Key] = set()
         if self.off is not None:
-            return out
-        seen, live, pending = self.seen, self.live, self.pending
-        armed, first = self.armed, self.quiet is not None
-        proved, touched = out.proved, out.touched
-        for what, key in events:
-            touched.add(key)
-            if what:
-                seen.add(key)
-                if what == STORED:
-                    if armed:  # the storing request frees it after T
-                        live[key] = max(live.get(key, 0.0), self.clean_at or 0.0)
-                    self._tie += 1  # one of the requests in flight stored it: no bound yet
-                    heapq.heappush(self._taints, (self._next, self._tie, key))
-                    self._tainted[key] = self._tainted.get(key, 0) + 1
-                    self._entry.pop(key, None)
+            return removed, named
+        armed, live = self.armed, self.live
+        for stored, key in events:
+            named.add(key)
+            if not stored:
+                if armed and key in live:
+                    removed.add(key)
                 continue
-            if not armed:
-                seen.add(key)
-                continue
-            if key in live:
-                out.removed_live.add(key)
-            if not first:
-                continue
-            self.quiet += 1  # type: ignore[operator]
-            if key in live:
-                pending.add(key)
-                proved.discard(key)
-            elif key not in seen:
-                proved |= pending
-                pending.clear()
-                self.quiet = 0
-        if first and self.quiet > self.max_quiet_removals:  # type: ignore[operator]
-            self.quiet = None  # the first proof is done; the older-block one goes on
-            self.seen.clear()
-            self.pending.clear()
-        self._bound()
-        return out
+            if armed:  # the storing request frees it after T
+                live[key] = max(live.get(key, 0.0), self.clean_at or 0.0)
+            self._tie += 1  # one of the requests in flight stored it: no bound until they end
+            heapq.heappush(self._taints, (self._next, self._tie, key))
+            self._tainted[key] = self._tainted.get(key, 0) + 1
+            self._entry.pop(key, None)
+        return removed, named
 
     def oldest_held(self, held: Callable[[Key], bool], skip: AbstractSet[Key]) -> float | None:
         """The bound of the oldest tracked block the replica still holds (``held``: the index
@@ -306,6 +251,7 @@ class EvictionWitness:
             elif not held(k):
                 heapq.heappop(heap)
                 del entry[k]
+                self._last.pop(k, None)
             else:
                 found = e
                 break
@@ -313,20 +259,21 @@ class EvictionWitness:
             heapq.heappush(heap, item)
         return found
 
-    def _bound(self) -> None:
-        if len(self.seen) > self.max_keys or len(self._last) > self.max_keys:
-            self.turn_off(f"over {self.max_keys} keys known since attach")
+    def size(self) -> int:
+        """Keys it keeps a record for (what :attr:`max_keys` bounds)."""
+        return len(self.live) + len(self._last) + len(self._never) + len(self._tainted)
 
-
-@dataclass(slots=True)
-class Scan:
-    """What :meth:`EvictionWitness.scan` made of a batch."""
-
-    proved: set[Key] = field(default_factory=set)
-    """Live keys removed before an unknown eviction and not removed again after it: still
-    held (the first proof)."""
-    removed_live: set[Key] = field(default_factory=set)
-    """Live keys the batch removed: still held if a block freed before their copy is (the
-    older-block proof, :meth:`EvictionWitness.oldest_held`)."""
-    touched: set[Key] = field(default_factory=set)
-    """Every key the batch named."""
+    def compact(self, held: Callable[[Key], bool]) -> None:
+        """Past :attr:`max_keys`: forget the keys the index no longer holds (their records
+        prove nothing until they are hit or stored again); still past it, turn off."""
+        if self.off is not None or self.size() <= self.max_keys:
+            return
+        self.live = {k: t for k, t in self.live.items() if held(k)}
+        self._never = {k for k in self._never if held(k) or k in self._busy}
+        for k in [k for k in self._last if not held(k)]:
+            del self._last[k]
+            self._entry.pop(k, None)
+        self._heap = [(e, t, k) for k, (e, t) in self._entry.items()]
+        heapq.heapify(self._heap)
+        if self.size() > self.max_keys:
+            self.turn_off(f"over {self.max_keys} keys held since attach")

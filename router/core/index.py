@@ -89,7 +89,7 @@ from events.schema import (
     LazyTokensBlockStored,
     UnknownEvent,
 )
-from router.core.eviction_order import NAMED, REMOVED, STORED, EvictionWitness
+from router.core.eviction_order import EvictionWitness
 from router.core.layout_quorum import (
     LayoutState,
     LayoutViewState,
@@ -301,15 +301,11 @@ class IndexLimits:
     (``_Replica.gone``, about 130 bytes each): past it, windows are no longer implied for that
     replica (router.core.predict.Predictor.implied_keys; full attention and witnessed parents
     go on). Implication matters most just after attach, so the bound is small."""
-    max_witness_keys: int = 1 << 18
-    """Keys a *partial* replica's eviction-order proofs remember as known since attach, and
-    keys they keep a time bound for (router.core.eviction_order, up to about 300 bytes per
-    key in all); past it the proofs are off for that replica (predictions stay a lower bound,
-    only less often exact)."""
-    max_quiet_removals: int = 1 << 16
-    """Removals in a row of blocks known since attach after which a partial replica's
-    eviction-order proof stops (router.core.eviction_order): the blocks cached before attach
-    are gone by then, so nothing more can be proved and its records are freed."""
+    max_witness_keys: int = 1 << 16
+    """Keys a *partial* replica's eviction-order proof keeps a record for (a time bound or a
+    newer copy: router.core.eviction_order, about 250 bytes each, so up to ~16 MB per partial
+    replica); past it, after dropping those the index no longer holds, the proof is off for
+    that replica (predictions stay a lower bound, only less often exact)."""
     max_dead_slots: int = 64
     """Wiped slots whose keys may still carry their bit (KVIndex.sweep clears them). A wipe
     beyond this many pending ones is done at once instead (O(index), counted in
@@ -779,11 +775,7 @@ class KVIndex:
         rep.children = {} if on else None
         rep.gone = set() if on else None
         rep.anchors = set() if on else None
-        rep.witness = (
-            EvictionWitness(self.limits.max_witness_keys, self.limits.max_quiet_removals)
-            if on
-            else None
-        )
+        rep.witness = EvictionWitness(self.limits.max_witness_keys) if on else None
         rep.witness_off = None
         key = (rep.name, rep.dp_rank)
         if on:
@@ -1360,42 +1352,39 @@ class KVIndex:
         """Feed a partial replica's applied batch to its eviction-order proof and hold again
         the keys it proves still cached (router.core.eviction_order)."""
         tier_of, max_groups = self._tier_of, self.limits.max_groups
-        items: list[tuple[int, tuple[int, object]]] = []
+        items: list[tuple[bool, tuple[int, object]]] = []
         for ev in events:
             cls = type(ev)
             if cls is BlockStored or cls is LazyTokensBlockStored:
-                what = STORED
+                stored = True
             elif cls is BlockRemoved:
-                what = REMOVED
+                stored = False
             else:
                 continue
             if (tier_of.get(ev.medium) or _tier_name(ev.medium)) != "GPU":
                 continue
             g = ev.group_idx or 0
-            if not 0 <= g < max_groups:
-                continue
-            if what == STORED and ev.parent_block_hash is not None:
-                items.append((NAMED, (g, ev.parent_block_hash)))
-            items.extend((what, (g, h)) for h in ev.block_hashes)
+            if 0 <= g < max_groups:
+                items.extend((stored, (g, h)) for h in ev.block_hashes)
         tables, bit = self._tiers["GPU"], rep.bit
 
         def held(k: tuple[int, object]) -> bool:
             return k[0] < len(tables.tables) and bool(tables.tables[k[0]].get(k[1], 0) & bit)
 
-        scan = witness.scan(items)
-        keep = [k for k in scan.proved if not held(k)]
-        lost = [k for k in scan.removed_live if not held(k) and k not in scan.proved]
-        if lost:  # the older-block proof: one still held was freed before their copies
-            oldest = witness.oldest_held(held, scan.touched)
-            if oldest is not None:
-                keep.extend(k for k in lost if oldest < witness.live.get(k, oldest))
-        for g, h in keep:
-            if g < len(tables.tables) and self._hold(rep, tables, g, h):
-                witness.recent.add((g, h))
-                rep.counters["older_copy_evicted"] += 1
-                if rep.gone is not None:
-                    rep.gone.discard((g, h))
-                self.generation += 1
+        removed, named = witness.scan(items)
+        lost = [k for k in removed if not held(k)]
+        if lost:  # a block still held was freed before their copies: an older one went
+            oldest = witness.oldest_held(held, named)
+            for g, h in lost:
+                if oldest is None or oldest >= witness.live.get((g, h), oldest):
+                    continue
+                if g < len(tables.tables) and self._hold(rep, tables, g, h):
+                    witness.recent.add((g, h))
+                    rep.counters["older_copy_evicted"] += 1
+                    if rep.gone is not None:
+                        rep.gone.discard((g, h))
+                    self.generation += 1
+        witness.compact(held)
         if witness.off is not None:
             self._witness_off(rep, witness.off)
 
@@ -1412,23 +1401,19 @@ class KVIndex:
         )
 
     def witness_sending(
-        self,
-        key: ReplicaKey,
-        attempt: int,
-        keys: Iterable[tuple[int, object]] | None,
-        tracked: Iterable[tuple[int, object]] = (),
+        self, key: ReplicaKey, attempt: int, tracked: Iterable[tuple[int, object]] | None
     ) -> None:
-        """Request ``attempt`` is being sent to ``key``: the keys it could touch or store at
-        admission and the ones the older-block proof bounds
-        (router.core.eviction_order.EvictionWitness.sending; ``keys`` None when they cannot be
-        computed, which ends the proofs: they need them all). Nothing unless it is partial."""
+        """Request ``attempt`` is being sent to ``key`` with ``tracked``, its prompt's keys in
+        the group the eviction-order proof bounds (router.core.eviction_order.EvictionWitness.
+        sending; None when they cannot be computed, which ends the proof: it needs them all).
+        Nothing unless the replica is partial."""
         rep = self._replicas.get(key)
         if rep is None or rep.witness is None:
             return
-        if keys is None:
+        if tracked is None:
             self._witness_off(rep, "a request's keys could not be computed (layout unknown)")
         else:
-            rep.witness.sending(attempt, keys, tracked)
+            rep.witness.sending(attempt, tracked)
 
     def witness_ended(self, key: ReplicaKey, attempt: int, now: float, finished: bool) -> None:
         """Request ``attempt`` to ``key`` left the router (EvictionWitness.ended)."""
@@ -1465,7 +1450,7 @@ class KVIndex:
             if witness.off is not None:
                 self._witness_off(rep, witness.off)
                 if witness.recent:
-                    # another client ran since the last clean scrape: what the proofs kept
+                    # another client ran since the last clean scrape: what the proof kept
                     # since then rests on a premise that no longer held; retire it
                     by_group: dict[int, list[object]] = {}
                     for g, h in witness.recent:

@@ -360,18 +360,17 @@ class Predictor:
         chain = hasher.lazy_chain(token_ids, keys)
         return [(g, chain.wire(i)) for g, i in fine if i < len(chain)]
 
-    def all_group_keys(
-        self, token_ids: Sequence[int], keys: RequestKeys | None
+    def group_keys(
+        self, token_ids: Sequence[int], keys: RequestKeys | None, group: int | None
     ) -> list[tuple[int, object]] | None:
-        """Every ``(group, wire hash)`` key of this request's whole blocks in every group of
-        the layout (a superset of what vLLM may touch or store at its admission); None when
-        the layout is not known yet."""
-        layout, hasher = self.index.layout, self.hasher()
-        if layout is None or hasher is None:
+        """Every ``(group, wire hash)`` key of this request's chain in ``group`` (a superset of
+        the blocks vLLM may touch or store there at its admission); None when the layout is
+        not known yet or ``group`` is None."""
+        hasher = self.hasher()
+        if self.index.layout is None or hasher is None or group is None:
             return None
         chain = hasher.lazy_chain(token_ids, keys)
-        groups = [g for sg in layout.spec_groups for g in sg.group_ids]
-        return [(g, chain.wire(i)) for i in range(len(chain)) for g in groups]
+        return [(group, chain.wire(i)) for i in range(len(chain))]
 
     def tracked_group(self) -> int | None:
         """The group whose keys the eviction-order proof bounds (router.core.eviction_order):

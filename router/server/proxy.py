@@ -425,7 +425,7 @@ class Proxy:
         pending = max(0, choice.num_tokens - choice.decision.chosen.hit_tokens)
         rep.request_started(rank, pending)  # its queued work (the pool's load-ordered book)
         attempt: int | None = None
-        try:  # a partial replica's eviction-order proofs must know what it may touch
+        try:  # a partial replica's eviction-order proof must know what it may touch
             attempt = choice.pool.sending_to(key, choice.token_ids, choice.body or {})
         except Exception:
             log.exception("could not note a request sent to %s", key[0])

@@ -502,25 +502,22 @@ class PoolState:
     def sending_to(
         self, key: ReplicaKey, token_ids: list[int] | None, body: dict[str, Any]
     ) -> int | None:
-        """A request is about to be sent to ``key``. On a partial replica every key it could
-        touch or store at admission becomes known to the eviction-order proofs
-        (router.core.eviction_order): its prompt's blocks in every group, those of the first
-        full-attention group tracked for bounds. Returns the attempt's number for
+        """A request is about to be sent to ``key``. On a partial replica the eviction-order
+        proof (router.core.eviction_order) notes its prompt's blocks in the first
+        full-attention group: maybe in use until it ends. Returns the attempt's number for
         :meth:`sent_done` (None: not partial, nothing to report)."""
         if self.index.trust(key) != "partial":
             return None
-        keys = tracked = None
+        tracked = None
         if token_ids is not None:
             try:
                 req, _ = body_request_keys(body, self.cfg.lora_adapters)
-                keys = self.predictor.all_group_keys(token_ids, req)
-                g0 = self.predictor.tracked_group()
-                tracked = [k for k in keys or () if k[0] == g0]
-            except Exception:  # None ends the proofs: they must know every key
+                tracked = self.predictor.group_keys(token_ids, req, self.predictor.tracked_group())
+            except Exception:  # None ends the proof: it must know every key
                 log.exception("could not compute the keys of a request to %s", key[0])
-                keys = None
+                tracked = None
         attempt = next(self._attempts)
-        self.index.witness_sending(key, attempt, keys, tracked or ())
+        self.index.witness_sending(key, attempt, tracked)
         return attempt
 
     def sent_done(self, key: ReplicaKey, attempt: int | None, finished: bool) -> None:
