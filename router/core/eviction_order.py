@@ -19,11 +19,12 @@ it ended. It then bounds when each block of the first full-attention group was l
 by the end of the last request that had it in its prompt (vLLM frees a finished request's
 blocks before its last byte), or of every request in flight when an event stored it (a decode
 block); never for one a cancelled or failed request had (vLLM frees it when it gets to the
-abort, unseen). A block the index holds, that no request in flight may be using, last freed
-before a request sent after ``T`` at ``s`` hit key K (or before ``T``, for a K an event
-stored after ``T``), is in the free queue ahead of K's newer copy: a removal of K while that
-block is still held took another, older copy. Such keys are held again (``KVIndex``,
-counter ``older_copy_evicted``).
+abort, unseen), and a store waits for cancelled requests too, until a clean scrape shows
+vLLM runs nothing the router does not count. A block the index holds, that no request in
+flight may be using, last freed before a request sent after ``T`` hit key K (or before ``T``,
+for a K an event stored after ``T``), is in the free queue ahead of K's newer copy: a removal
+of K while that block is still held took another, older copy. Such keys are held again
+(``KVIndex``, counter ``older_copy_evicted``).
 
 ``T`` is read from the replica's own metrics: two scrapes in a row (one scrape interval
 apart, so the events of anything that ran before are in) that show no request but the
@@ -89,9 +90,13 @@ class EvictionWitness:
     _never: set[Key] = field(default_factory=set)
     """Keys a request that did not finish had in its prompt: vLLM frees those blocks when
     it gets to the abort, at a time the router does not see; never bounded again."""
+    _aborting: dict[int, None] = field(default_factory=dict)
+    """Requests that left the router unfinished: vLLM may still run (and store for) them
+    until it gets to the abort, which the next clean scrape proves done."""
     _taints: list[tuple[int, int, Key]] = field(default_factory=list)
     """Heap of stored keys waiting for every request in flight at the store to end
-    (``(attempt bound, tie, key)``): the store was one of theirs (a decode block)."""
+    (``(attempt bound, tie, key)``): the store was one of theirs (a decode block). An entry
+    is current while ``_tainted`` has its bound for the key (a later store raises it)."""
     _tainted: dict[Key, int] = field(default_factory=dict)
     _heap: list[tuple[float, int, Key]] = field(default_factory=list)
     """Bounded keys by bound, oldest first; an entry is current while ``_entry`` has it."""
@@ -132,6 +137,9 @@ class EvictionWitness:
             self.clean_at = self._base = None
             return
         self.recent.clear()
+        if self._aborting:  # nothing the router did not count runs: the aborts are done
+            self._aborting.clear()
+            self._release(now)
         if self.armed_at is not None:
             return
         if self.clean_at is None:
@@ -142,7 +150,15 @@ class EvictionWitness:
     def turn_off(self, reason: str) -> None:
         """Off for the partial period; its records are freed (``recent`` is kept)."""
         self.off = reason
-        for d in (self.live, self._inflight, self._busy, self._last, self._tainted, self._entry):
+        for d in (
+            self.live,
+            self._inflight,
+            self._busy,
+            self._last,
+            self._aborting,
+            self._tainted,
+            self._entry,
+        ):
             d.clear()
         self._never.clear()
         self._taints.clear()
@@ -182,15 +198,20 @@ class EvictionWitness:
                 self._never.add(k)
                 self._entry.pop(k, None)
             self._push(k)
-        low = min(self._inflight) if self._inflight else self._next
+        if not finished:
+            self._aborting[attempt] = None
+        self._release(now)
+
+    def _release(self, now: float) -> None:
+        """Bound the stored keys whose every possible storer has ended (at ``now``)."""
+        pending = (*self._inflight, *self._aborting)
+        low = min(pending) if pending else self._next
         taints, tainted = self._taints, self._tainted
         while taints and taints[0][0] <= low:  # every request that could have stored it ended
-            _, _, k = heapq.heappop(taints)
-            n = tainted[k] - 1
-            if n:
-                tainted[k] = n
-            else:
-                del tainted[k]
+            bound, _, k = heapq.heappop(taints)
+            if tainted.get(k) != bound:
+                continue  # a later store of it waits for later requests
+            del tainted[k]
             self._last[k] = now
             self._push(k)
 
@@ -231,7 +252,7 @@ class EvictionWitness:
                 live[key] = max(live.get(key, 0.0), self.clean_at or 0.0)
             self._tie += 1  # one of the requests in flight stored it: no bound until they end
             heapq.heappush(self._taints, (self._next, self._tie, key))
-            self._tainted[key] = self._tainted.get(key, 0) + 1
+            self._tainted[key] = self._next
             self._entry.pop(key, None)
         return removed, named
 
@@ -261,7 +282,7 @@ class EvictionWitness:
 
     def size(self) -> int:
         """Keys it keeps a record for (what :attr:`max_keys` bounds)."""
-        return len(self.live) + len(self._last) + len(self._never) + len(self._tainted)
+        return len(self.live) + len(self._last) + len(self._never) + len(self._taints)
 
     def compact(self, held: Callable[[Key], bool]) -> None:
         """Past :attr:`max_keys`: forget the keys the index no longer holds (their records
@@ -275,5 +296,7 @@ class EvictionWitness:
             self._entry.pop(k, None)
         self._heap = [(e, t, k) for k, (e, t) in self._entry.items()]
         heapq.heapify(self._heap)
+        self._taints = [(b, i, k) for i, (k, b) in enumerate(self._tainted.items())]
+        heapq.heapify(self._taints)
         if self.size() > self.max_keys:
             self.turn_off(f"over {self.max_keys} keys held since attach")
