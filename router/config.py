@@ -183,6 +183,10 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sweep_step: int = 2048
     """Table slots one step of that sweep reads (one step after each applied batch, and on a
     timer): smaller steps stall the event loop less and finish later."""
+    max_witness_keys: int = 1 << 16
+    """Keys a *partial* replica's eviction-order proof keeps a record for (about 250 bytes
+    each, only while partial: router.core.eviction_order); past it, after dropping those the
+    index no longer holds, the proof turns off for that replica. 0 turns it off."""
     snapshot_path: str | None = None
     """Where the router writes its index on shutdown (and every ``snapshot_interval_s``) and
     reads it back at start, resuming each replica's stream where the file left off: a restart
@@ -208,6 +212,8 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if self.max_dead_slots < 0 or self.sweep_step < 1:
             raise ValueError("max_dead_slots must be >= 0 and sweep_step >= 1")
+        if self.max_witness_keys < 0:
+            raise ValueError(f"max_witness_keys must be >= 0, got {self.max_witness_keys}")
         if self.bootstrap_peer is not None and not self.bootstrap_peer.startswith(
             ("http://", "https://")
         ):
@@ -223,6 +229,7 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             warn_interval_s=self.warn_interval_s,
             max_dead_slots=self.max_dead_slots,
             sweep_step=self.sweep_step,
+            max_witness_keys=self.max_witness_keys,
         )
 
 

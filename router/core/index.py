@@ -775,8 +775,9 @@ class KVIndex:
         rep.children = {} if on else None
         rep.gone = set() if on else None
         rep.anchors = set() if on else None
-        rep.witness = EvictionWitness(self.limits.max_witness_keys) if on else None
-        rep.witness_off = None
+        keys = self.limits.max_witness_keys
+        rep.witness = EvictionWitness(keys) if on and keys > 0 else None
+        rep.witness_off = None if keys > 0 else "turned off (index.max_witness_keys = 0)"
         key = (rep.name, rep.dp_rank)
         if on:
             self._partial[key] = None
