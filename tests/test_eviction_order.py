@@ -311,6 +311,13 @@ def test_the_proof_needs_a_block_freed_before_the_copy_and_still_held() -> None:
     w.scrape(7.5, 0)
     assert w.oldest_held({y}.__contains__, set()) == 7.5
     assert w.oldest_held({y}.__contains__, {y}) is None  # the batch named it: not used
+    # a block of another group gets no bound: a hit there touches it, and no tracked key says
+    # which request may be using it
+    z = (1, "z")
+    w.scan([(True, z)])
+    w.sending(6, [])
+    w.ended(6, 8.0, finished=True)
+    assert w.oldest_held({z}.__contains__, set()) is None
 
 
 def test_its_records_are_bounded() -> None:

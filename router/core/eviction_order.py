@@ -79,6 +79,10 @@ class EvictionWitness:
     _base: tuple[float | None, int, int] | None = None
     """At the first clean scrape: the replica's finished count, the router's sent count and
     its requests in flight (:meth:`scrape`)."""
+    group: int | None = None
+    """The tracked group (the first ``sending`` names it): only its blocks get bounds, as only
+    its keys are known to be in use while a request runs (a hit in another group touches
+    blocks no tracked key names)."""
     _inflight: dict[int, list[Key]] = field(default_factory=dict)
     """Per request in flight (its attempt number): its tracked keys."""
     _next: int = 0
@@ -171,6 +175,8 @@ class EvictionWitness:
         if self.off is not None:
             return
         tracked = list(tracked)
+        if tracked and self.group is None:
+            self.group = tracked[0][0]
         self._inflight[attempt] = tracked
         self._next = max(self._next, attempt + 1)
         busy, entry = self._busy, self._entry
@@ -250,6 +256,8 @@ class EvictionWitness:
                 continue
             if armed:  # the storing request frees it after T
                 live[key] = max(live.get(key, 0.0), self.clean_at or 0.0)
+            if key[0] != self.group:
+                continue
             self._tie += 1  # one of the requests in flight stored it: no bound until they end
             heapq.heappush(self._taints, (self._next, self._tie, key))
             self._tainted[key] = self._next
