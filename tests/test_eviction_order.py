@@ -260,11 +260,26 @@ def test_arming_needs_two_clean_scrapes_in_a_row() -> None:
     assert w.live[(0, "a")] == 4.5
 
 
+def test_a_request_sent_before_the_proof_started_holds_arming_back() -> None:
+    """The router had a request in flight when the replica became partial: it is not
+    tracked, so the blocks it uses are unknown; arming waits until it is gone."""
+    w = EvictionWitness(max_keys=100)
+    w.sending(0, [(0, "a")])
+    w.scrape(1.0, 0, mine=2)  # two of the router's own, one of them untracked
+    w.scrape(2.0, 0, mine=2)
+    assert not w.armed
+    w.scrape(3.0, 0, mine=1)
+    w.scrape(4.0, 0, mine=1)
+    assert w.armed
+
+
 def test_a_request_finished_between_scrapes_is_counted_as_another_clients() -> None:
     """``vllm:request_success_total`` grew by more than the router sent (and had in flight at
     the first clean scrape): someone else's request ran between two scrapes."""
     w = EvictionWitness(max_keys=100)
+    w.sending(0, [])
     w.scrape(1.0, 0, finished=10, sent=4, mine=1)
+    w.ended(0, 1.5, finished=True)
     w.scrape(2.0, 0, finished=12, sent=5, mine=0)  # 2 finished: the one in flight + 1 sent
     assert w.armed
     w.scrape(3.0, 0, finished=14, sent=6, mine=0)  # 4 finished, 2 sent + 1 in flight

@@ -132,6 +132,10 @@ class EvictionWitness:
         if self.off is not None:
             return
         foreign = others > 0
+        if self.armed_at is None and mine > len(self._inflight):
+            # a request the router sent before the proof started: it is not tracked, so its
+            # blocks may be in use unseen; wait until it is gone
+            foreign = True
         base = self._base
         if not foreign and finished is not None and base is not None and base[0] is not None:
             foreign = finished - base[0] > (sent - base[1]) + base[2]

@@ -509,13 +509,13 @@ class PoolState:
         if self.index.trust(key) != "partial":
             return None
         tracked = None
-        if token_ids is not None:
-            try:
+        try:
+            if token_ids is not None:
                 req, _ = body_request_keys(body, self.cfg.lora_adapters)
                 tracked = self.predictor.group_keys(token_ids, req, self.predictor.tracked_group())
-            except Exception:  # None ends the proof: it must know every key
-                log.exception("could not compute the keys of a request to %s", key[0])
-                tracked = None
+        except Exception:  # None ends the proof: it must know every key
+            log.exception("could not compute the keys of a request to %s", key[0])
+            tracked = None
         attempt = next(self._attempts)
         self.index.witness_sending(key, attempt, tracked)
         return attempt
@@ -557,8 +557,9 @@ class PoolState:
     ) -> None:
         """vLLM reported ``cached_tokens`` for a request sent at ``sent_at`` (monotonic) to a
         partial replica: the keys its hit rule needed were touched then, so a copy of each
-        was freed after (router.core.eviction_order). Nothing on other replicas."""
-        if self.index.trust(key) != "partial":
+        was freed after (router.core.eviction_order). Nothing on other replicas, nor where a
+        connector tier is indexed (``cached_tokens`` then counts loaded tokens too)."""
+        if self.index.trust(key) != "partial" or self.index.tiers_in_use() not in ([], ["GPU"]):
             return
         req, _ = body_request_keys(body, self.cfg.lora_adapters)
         self.index.witness_touched(
