@@ -9,7 +9,7 @@ request hits its first half (a shared prefix) and stores the rest, as vLLM publi
 hashing of the whole prompt is shown apart: the router's implication pass for partial replicas
 (router.core.predict.Predictor.implied_keys) hashes it before the decision as well.
 
-    PYTHONPATH=. python bench/eviction_proof_bench.py [--requests 300] [--out PATH]
+    .venv/bin/python bench/eviction_proof_bench.py [--requests 300] [--out PATH]
 
 Prints a table (median and p99 microseconds per request) and writes JSON
 (``bench/results/eviction_proof_bench.json`` by default).
