@@ -222,7 +222,8 @@ def run(seed: int, before: int = 60, foreign_after_attach: int = 5, mine: int = 
                 if rng.random() < 0.9:  # its answer (a failed request gives none)
                     # what it hit is held (KVIndex.infer): the full-attention part; a window
                     # block it hit may have left the window, been freed and been evicted
-                    # before the answer (the model found this; docs/live-fleet.md)
+                    # before the answer (this model found it; the router now skips a window
+                    # key removed since the request was sent: test_partial_implied.py)
                     index.ensure(k for k in r["hit"] if k[0] == 0)
                     w.touched(r["hit"], r["sent_at"])
                 clock += 0.05

@@ -226,3 +226,24 @@ def test_implied_by_held_matches_its_definition(held: list[bool], window: int, k
     else:
         want = []
     assert got == want
+
+
+def test_an_answer_does_not_teach_a_window_block_removed_since_its_request_was_sent() -> None:
+    """vLLM's answer proves the hit's blocks were there at admission. A window block behind
+    the hit leaves the request's window as it computes, is freed at once and may be evicted
+    before the answer (found by tests/test_eviction_order.py's model): a window key removed
+    after the request was sent is not learned; a full-attention one (held by the request
+    until it ends) is."""
+    import time
+
+    index = fresh()
+    c = chain(SYSTEM)
+    sent = time.monotonic()
+    index.apply_events(A, [removed(1, [c[4]])])  # after the request was sent
+    assert index.infer(A, [(0, c[4]), (1, c[4])], sent_at=sent) == 1
+    assert index.copies(A, 0, c[4]) == 1 and index.copies(A, 1, c[4]) == 0
+    (a,) = [s for s in index.stats() if s.replica == "A"]
+    assert a.answer_keys_skipped == 1
+    # a removal before the request was sent says nothing about the copy its answer shows
+    later = time.monotonic() + 1e-6
+    assert index.infer(A, [(1, c[4])], sent_at=later) == 1

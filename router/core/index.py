@@ -61,9 +61,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import os
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -360,6 +362,10 @@ class ReplicaStats(msgspec.Struct):
     them: blocks cached before attach, proved present by the store
     (KVIndex._after_partial_batch)."""
     implied_blocks: int = 0
+    answer_keys_skipped: int = 0
+    """Keys an answer of a partial replica showed hit that a ``BlockRemoved`` since the request
+    was sent may have taken (a window block the request left and vLLM evicted before it
+    answered): not learned (KVIndex.infer)."""
     """Keys a partial replica holds by vLLM's cache structure, implied by held keys when a
     request's prefix named them (Predictor.implied_keys, KVIndex.infer)."""
     layout_view: str | None = None
@@ -430,6 +436,10 @@ class _Replica:
     proves nothing about its own window. Dropped with ``gone``."""
     witness: EvictionWitness | None = None
     """While partial: the eviction-order proof's record (router.core.eviction_order)."""
+    removed_at: OrderedDict[tuple[int, object], float] | None = None
+    """While partial: when (monotonic) each recent GPU removal of a non-full-attention key was
+    applied, the latest ``IndexLimits.max_partial_removals``: an answer's hit does not prove a
+    window block the request left early and vLLM evicted before answering (KVIndex.infer)."""
     witness_off: str | None = None
     """Why the proof ended this partial period (its record is freed then)."""
     counters: dict[str, int] = field(
@@ -452,6 +462,7 @@ class _Replica:
                 "older_copy_evicted",
                 "witnessed_parents",
                 "implied_blocks",
+                "answer_keys_skipped",
                 "wipes",
                 "sync_wipes",
             ),
@@ -774,6 +785,7 @@ class KVIndex:
         it."""
         rep.children = {} if on else None
         rep.gone = set() if on else None
+        rep.removed_at = OrderedDict() if on else None
         rep.anchors = set() if on else None
         keys = self.limits.max_witness_keys
         rep.witness = EvictionWitness(keys) if on and keys > 0 else None
@@ -1541,6 +1553,13 @@ class KVIndex:
         nothing is implied through windows any more (full attention needs no such record)."""
         tables = self._tiers["GPU"]
         bit, gone, anchors = rep.bit, rep.gone, rep.anchors
+        if scan.removed and (removed_at := rep.removed_at) is not None:
+            now = time.monotonic()
+            for gh in scan.removed:
+                removed_at[gh] = now
+                removed_at.move_to_end(gh)
+            while len(removed_at) > self.limits.max_partial_removals:
+                removed_at.popitem(last=False)
         for (g, p), proved in scan.parents.items():
             if proved and g < len(tables.tables) and self._hold(rep, tables, g, p):
                 rep.counters["witnessed_parents"] += 1
@@ -1843,16 +1862,29 @@ class KVIndex:
         key: ReplicaKey,
         keys: Iterable[tuple[int, object]],
         counter: str = "inferred_blocks",
+        sent_at: float | None = None,
     ) -> int:
         """Record ``(group, wire hash)`` keys vLLM's answer proved the replica holds (its
         reported ``cached_tokens`` needed them) but no event showed: blocks cached before a
         late attach. They are held like any stored key, so a ``BlockRemoved`` retires them.
         ``counter`` names the proof (``implied_blocks``: vLLM's cache structure, see
-        :meth:`Predictor.implied_keys`). Returns how many were new."""
+        :meth:`Predictor.implied_keys`). Returns how many were new.
+
+        An answer proves its hit's blocks were there when the request was admitted, not that
+        they still are: a sliding-window (or chunked, Mamba) block behind the hit leaves the
+        request's window as it computes, is freed at once and may be evicted before it
+        answers. With ``sent_at`` (monotonic, when the request was sent), such a key removed
+        since then is skipped (``answer_keys_skipped``); full-attention blocks stay held by
+        the request until it ends."""
         rep = self._replica(key)
         tier = self._tiers["GPU"]
         added = 0
         keys = list(keys)
+        removed_at = rep.removed_at
+        if sent_at is not None and removed_at:
+            kept = [k for k in keys if removed_at.get(k, -math.inf) < sent_at]
+            rep.counters["answer_keys_skipped"] += len(keys) - len(kept)
+            keys = kept
         if rep.children is not None:  # FA keys in chain order: each an ancestor of the next
             fa, prev = self._fa_groups(), {}
             for g, h in keys:

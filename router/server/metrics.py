@@ -198,6 +198,7 @@ class _StateCollector(Collector):
                     "older_copy_evicted",
                     "witnessed_parents",
                     "implied_blocks",
+                    "answer_keys_skipped",
                     "resets",
                     "late_attaches",
                     "wipes",

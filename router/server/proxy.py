@@ -594,7 +594,9 @@ class Proxy:
             # A partial replica under-predicts what it cached before the router attached;
             # its answer says which blocks it holds.
             try:
-                choice.pool.learn_from_answer(key, choice.token_ids, choice.body or {}, actual)
+                choice.pool.learn_from_answer(
+                    key, choice.token_ids, choice.body or {}, actual, choice.sent_at
+                )
             except Exception:  # learning is an optimisation: never fail the response for it
                 log.exception("could not learn from %s's cached_tokens", label)
         row = next(

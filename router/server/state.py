@@ -486,18 +486,25 @@ class PoolState:
         await rep.upstream.aclose()
 
     def learn_from_answer(
-        self, key: ReplicaKey, token_ids: list[int], body: dict[str, Any], cached_tokens: int
+        self,
+        key: ReplicaKey,
+        token_ids: list[int],
+        body: dict[str, Any],
+        cached_tokens: int,
+        sent_at: float | None = None,
     ) -> int:
         """vLLM reported ``cached_tokens`` for a request on a *partial* replica: the keys its
         hit rule needed for that hit are in the replica's cache, whether or not an event said
         so (they were cached before the router attached). Record them, so the next request
         with that prefix is predicted exactly. Skipped where a connector tier is indexed:
-        ``cached_tokens`` then includes loaded tokens the GPU does not hold. Returns how many
-        keys were new."""
+        ``cached_tokens`` then includes loaded tokens the GPU does not hold. ``sent_at``
+        (monotonic): when the request was sent; window keys removed since are not learned
+        (KVIndex.infer). Returns how many keys were new."""
         if self.index.trust(key) != "partial" or self.index.tiers_in_use() not in ([], ["GPU"]):
             return 0
         keys, _ = body_request_keys(body, self.cfg.lora_adapters)
-        return self.index.infer(key, self.predictor.keys_behind(token_ids, keys, cached_tokens))
+        behind = self.predictor.keys_behind(token_ids, keys, cached_tokens)
+        return self.index.infer(key, behind, sent_at=sent_at)
 
     def sending_to(
         self, key: ReplicaKey, token_ids: list[int] | None, body: dict[str, Any]
