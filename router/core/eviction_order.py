@@ -76,6 +76,8 @@ class EvictionWitness:
     recent: set[Key] = field(default_factory=set)
     """Keys the proof made the index hold since the last clean scrape: the ones to retire if
     the next scrape shows another client (the premise may have failed since then)."""
+    _suspect: bool = False
+    """The last scrape showed a request running that the router does not count."""
     _base: tuple[float | None, int, int] | None = None
     """At the first clean scrape: the replica's finished count, the router's sent count and
     its requests in flight (:meth:`scrape`)."""
@@ -125,25 +127,38 @@ class EvictionWitness:
         the requests the router has sent it so far and ``mine`` those in flight now.
 
         Two clean scrapes in a row arm the proof (the later one's time is ``T``: every batch
-        emitted before the first is in by then). Another client shows as a request running
-        or waiting, or, between scrapes, as more requests finished since the first clean
-        scrape than the router sent or had in flight then. Before arming that starts over;
-        after, it turns the proof off (``recent`` then says what to retire)."""
+        emitted before the first is in by then). Another client shows as more requests
+        finished since the first clean scrape than the router sent or had in flight then, or
+        as a request running or waiting the router does not count (after arming: at two
+        scrapes in a row, as vLLM's count can lag a request the router just saw end). Before
+        arming that starts over; after, it turns the proof off (``recent`` then says what to
+        retire: what it kept since the last clean scrape)."""
         if self.off is not None:
             return
-        foreign = others > 0
+        base = self._base
+        counted = (  # more requests finished than the router sent: definitive
+            finished is not None
+            and base is not None
+            and base[0] is not None
+            and finished - base[0] > (sent - base[1]) + base[2]
+        )
+        running = others > 0
         if self.armed_at is None and mine > len(self._inflight):
             # a request the router sent before the proof started: it is not tracked, so its
             # blocks may be in use unseen; wait until it is gone
-            foreign = True
-        base = self._base
-        if not foreign and finished is not None and base is not None and base[0] is not None:
-            foreign = finished - base[0] > (sent - base[1]) + base[2]
-        if foreign:
+            running = True
+        if self.armed_at is not None and running and not counted and not self._suspect:
+            # a request running that the router does not count, once: vLLM may not have
+            # caught up with one the router just saw end. A second scrape decides (another
+            # client's request that ended meanwhile shows in the finished count)
+            self._suspect = True
+            return
+        if counted or running:
             if self.armed_at is not None:
                 self.turn_off("another client sends it requests")
             self.clean_at = self._base = None
             return
+        self._suspect = False
         self.recent.clear()
         if self._aborting:  # nothing the router did not count runs: the aborts are done
             self._aborting.clear()
