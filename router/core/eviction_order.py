@@ -28,8 +28,9 @@ of K while that block is still held took another, older copy. Such keys are held
 
 ``T`` is read from the replica's own metrics: two scrapes in a row (one scrape interval
 apart, so the events of anything that ran before are in) that show no request but the
-router's. Any later scrape that shows another client's request (running or waiting, or
-``vllm:request_success_total`` growing by more than the router sent and had in flight) turns
+router's. Another client's request, seen running or waiting at two scrapes in a row (one
+may only show vLLM's count lagging a request the router just saw end) or as
+``vllm:request_success_total`` growing by more than the router sent and had in flight, turns
 the proof off for the rest of the partial period: its premise is gone, so the keys it kept
 since the last clean scrape are retired and predictions stay the plain lower bound. The gate
 sees another client up to a scrape interval late: a proof made in that interval may be wrong
