@@ -235,6 +235,26 @@ def test_the_load_band_lets_a_cached_prefix_outweigh_a_small_queue_gap() -> None
     assert LeastLoadPolicy(cfg).choose(1000, [a, b]).chosen.key == ("b", 0)
 
 
+def test_within_the_load_band_a_request_no_replica_holds_goes_to_the_least_queued() -> None:
+    # the band makes both queues count as 300 for the cost: tied; the tie goes by real load
+    a = Candidate(("a", 0), pending_prefill_tokens=1200)
+    b = Candidate(("b", 0), pending_prefill_tokens=300)
+    for seed in range(20):
+        d = KVCostPolicy(PolicyConfig(load_band_tokens=2048), rng=random.Random(seed)).choose(
+            1000, [a, b]
+        )
+        assert d.tied == 2 and d.chosen.key == ("b", 0)
+    # equal real load too: the RNG picks, and both get picked
+    c = Candidate(("c", 0), pending_prefill_tokens=300)
+    picks = {
+        KVCostPolicy(PolicyConfig(load_band_tokens=2048), rng=random.Random(seed))
+        .choose(1000, [a, b, c])
+        .chosen.key
+        for seed in range(40)
+    }
+    assert picks == {("b", 0), ("c", 0)}
+
+
 @given(unique_candidates, st.floats(0, 5000))
 def test_the_load_band_never_reorders_equal_hits_by_less_load(
     cands: list[Candidate], band: float

@@ -261,10 +261,8 @@ class _CostPolicy:
         if not candidates:
             raise NoCandidates(NO_CANDIDATES)
         rng = self.tie_rng(commit)
-        scored = sorted(
-            self._banded([self.score(num_tokens, c) for c in candidates]),
-            key=lambda s: (s.cost, s.key),
-        )
+        plain = [self.score(num_tokens, c) for c in candidates]
+        scored = sorted(self._banded(plain), key=lambda s: (s.cost, s.key))
         best = scored[0].cost
         tie = self.cfg.tie_tokens
         n_tied = 1
@@ -274,6 +272,13 @@ class _CostPolicy:
         if temp > 0 and len(scored) > 1:
             weights = [math.exp(-(s.cost - best) / temp) for s in scored]
             pick = rng.choices(range(len(scored)), weights=weights)[0]
+        elif n_tied > 1 and self.banded and self.cfg.load_band_tokens > 0:
+            # The band made their queues equal for the cost; among the tied, the least queued
+            # still goes first (a request no replica holds is placed by load, not at random)
+            queued = {s.key: s.queued for s in plain}
+            least = min(queued[s.key] for s in scored[:n_tied])
+            lightest = [i for i in range(n_tied) if queued[scored[i].key] == least]
+            pick = lightest[rng.randrange(len(lightest))] if len(lightest) > 1 else lightest[0]
         elif n_tied > 1:
             pick = rng.randrange(n_tied)
         else:
