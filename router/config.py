@@ -335,7 +335,11 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (router.core.policy, load band); 0: every token counts. Off by default: on real vLLM
     under concurrent load (bench/real_vllm/load.py, 3 seeds x 2 repeats) 1024 and 2048 gave
     61.2 / 61.4 % reuse against 60.7 % without, within the spread, at a TTFT mean of 259 /
-    178 ms against 131 ms."""
+    178 ms against 131 ms. With prefix homes (3 seeds x 3 repeats, 6-15 in flight,
+    bench/results/real_vllm_load_band2.md), 4096 gave 62.1 % against 61.7 % and
+    cache_aware's 60.9 %, at a TTFT mean of 242 against 274 and 433 ms; still off, since one
+    round is all it has and a band turns off router.core.shortlist. Ties within the band go to
+    the replica whose cache turned over least lately, then the least queued (router.core.policy)."""
     pressure_weight: float = 0.0
     """Cost per token of cache pressure (``recent_new_tokens``, router.core.pressure, which
     says why it is off by default: no gain measured on real vLLM at 0.05-0.25)."""

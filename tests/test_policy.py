@@ -235,7 +235,7 @@ def test_the_load_band_lets_a_cached_prefix_outweigh_a_small_queue_gap() -> None
     assert LeastLoadPolicy(cfg).choose(1000, [a, b]).chosen.key == ("b", 0)
 
 
-def test_within_the_load_band_a_request_no_replica_holds_goes_to_the_least_queued() -> None:
+def test_in_the_load_band_a_request_no_replica_holds_goes_where_the_cache_churns_least() -> None:
     # the band makes both queues count as 300 for the cost: tied; the tie goes by real load
     a = Candidate(("a", 0), pending_prefill_tokens=1200)
     b = Candidate(("b", 0), pending_prefill_tokens=300)
@@ -253,6 +253,15 @@ def test_within_the_load_band_a_request_no_replica_holds_goes_to_the_least_queue
         for seed in range(40)
     }
     assert picks == {("b", 0), ("c", 0)}
+    # the cache that turned over less lately goes first, even a little more queued (in band)
+    churned = Candidate(("b", 0), pending_prefill_tokens=300, recent_new_tokens=9000.0)
+    calm = Candidate(("a", 0), pending_prefill_tokens=1200, recent_new_tokens=2000.0)
+    d = KVCostPolicy(PolicyConfig(load_band_tokens=2048)).choose(1000, [churned, calm])
+    assert d.chosen.key == ("a", 0)
+    # beyond the band the queue counts in the cost again
+    far = Candidate(("a", 0), pending_prefill_tokens=5000, recent_new_tokens=2000.0)
+    d = KVCostPolicy(PolicyConfig(load_band_tokens=2048)).choose(1000, [churned, far])
+    assert d.tied == 1 and d.chosen.key == ("b", 0)
 
 
 @given(unique_candidates, st.floats(0, 5000))

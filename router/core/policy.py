@@ -273,11 +273,15 @@ class _CostPolicy:
             weights = [math.exp(-(s.cost - best) / temp) for s in scored]
             pick = rng.choices(range(len(scored)), weights=weights)[0]
         elif n_tied > 1 and self.banded and self.cfg.load_band_tokens > 0:
-            # The band made their queues equal for the cost; among the tied, the least queued
-            # still goes first (a request no replica holds is placed by load, not at random)
+            # The band made their queues equal for the cost, so nothing the cost sees tells
+            # them apart (a request no replica holds, typically). Among the tied, the cache that
+            # has turned over slowest lately goes first, then the least queued: what is cached
+            # there lives longer (router.core.pressure), and it is never a move away from a hit.
             queued = {s.key: s.queued for s in plain}
-            least = min(queued[s.key] for s in scored[:n_tied])
-            lightest = [i for i in range(n_tied) if queued[scored[i].key] == least]
+            churn = {c.key: c.recent_new_tokens for c in candidates}
+            order = {s.key: (churn[s.key], queued[s.key]) for s in scored[:n_tied]}
+            least = min(order.values())
+            lightest = [i for i in range(n_tied) if order[scored[i].key] == least]
             pick = lightest[rng.randrange(len(lightest))] if len(lightest) > 1 else lightest[0]
         elif n_tied > 1:
             pick = rng.randrange(n_tied)
