@@ -353,7 +353,8 @@ def test_a_pod_whose_ports_or_uid_change_is_replaced(env: Env) -> None:
              "kvrouter.io/replay-port": _port(b.publisher.replay_endpoint)}
         ),
     )  # fmt: skip
-    wait_for(lambda: env.replicas()["vllm-a"]["url"] == b.url, 20, "vllm-a replaced")
+    # a replacement removes the old replica before it adds the new one: absent in between
+    wait_for(lambda: env.replicas().get("vllm-a", {}).get("url") == b.url, 20, "vllm-a replaced")
     before = b.received["/v1/completions"]
     assert env.complete("w3 w4").headers["x-kvrouter-replica"] == "vllm-a"
     assert b.received["/v1/completions"] == before + 1
