@@ -252,7 +252,8 @@ class EvictionWitness:
     def touched(self, keys: Iterable[Key], sent_at: float) -> None:
         """Keys a request sent at ``sent_at`` hit (the blocks vLLM's hit rule needed for its
         ``cached_tokens``): vLLM touched a copy of each, freed when the request ended."""
-        if not self.armed or sent_at < self.armed_at:  # type: ignore[operator]
+        armed_at = self.armed_at
+        if self.off is not None or armed_at is None or sent_at < armed_at:
             return
         live = self.live
         for k in keys:

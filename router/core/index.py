@@ -362,12 +362,12 @@ class ReplicaStats(msgspec.Struct):
     them: blocks cached before attach, proved present by the store
     (KVIndex._after_partial_batch)."""
     implied_blocks: int = 0
+    """Keys a partial replica holds by vLLM's cache structure, implied by held keys when a
+    request's prefix named them (Predictor.implied_keys, KVIndex.infer)."""
     answer_keys_skipped: int = 0
     """Keys an answer of a partial replica showed hit that a ``BlockRemoved`` since the request
     was sent may have taken (a window block the request left and vLLM evicted before it
     answered): not learned (KVIndex.infer)."""
-    """Keys a partial replica holds by vLLM's cache structure, implied by held keys when a
-    request's prefix named them (Predictor.implied_keys, KVIndex.infer)."""
     layout_view: str | None = None
     """The replica's own view of the learned layout (router.core.layout_quorum.describe);
     None with a declared layout or before its first store."""

@@ -581,24 +581,22 @@ class Proxy:
         metrics.prediction_error.labels(pool, key[0], rank).observe(err)
         metrics.predicted_hit.labels(pool).observe(predicted)
         if choice.token_ids:
-            try:  # what it hit was touched: the eviction-order proof (partial replicas)
+            # On a partial replica what it hit was touched (the eviction-order proof), and an
+            # under-prediction says which blocks it cached before the router attached
+            try:
                 choice.pool.answered(
-                    key, choice.token_ids, choice.body or {}, actual, choice.sent_at
+                    key,
+                    choice.token_ids,
+                    choice.body or {},
+                    actual,
+                    choice.sent_at,
+                    learn=actual > predicted and hit.partial_reason is not None,
                 )
             except Exception:  # an optimisation: never fail the response for it
-                log.exception("could not note %s's hit", label)
+                log.exception("could not learn from %s's cached_tokens", label)
         if err == 0:
             metrics.prediction_exact.labels(pool, key[0], rank).inc()
             return
-        if actual > predicted and hit.partial_reason is not None and choice.token_ids:
-            # A partial replica under-predicts what it cached before the router attached;
-            # its answer says which blocks it holds.
-            try:
-                choice.pool.learn_from_answer(
-                    key, choice.token_ids, choice.body or {}, actual, choice.sent_at
-                )
-            except Exception:  # learning is an optimisation: never fail the response for it
-                log.exception("could not learn from %s's cached_tokens", label)
         row = next(
             (r for r in pred.as_dict()["replicas"] if (r["replica"], r["dp_rank"]) == key), {}
         )

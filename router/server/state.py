@@ -485,27 +485,6 @@ class PoolState:
         await rep.client.aclose()
         await rep.upstream.aclose()
 
-    def learn_from_answer(
-        self,
-        key: ReplicaKey,
-        token_ids: list[int],
-        body: dict[str, Any],
-        cached_tokens: int,
-        sent_at: float | None = None,
-    ) -> int:
-        """vLLM reported ``cached_tokens`` for a request on a *partial* replica: the keys its
-        hit rule needed for that hit are in the replica's cache, whether or not an event said
-        so (they were cached before the router attached). Record them, so the next request
-        with that prefix is predicted exactly. Skipped where a connector tier is indexed:
-        ``cached_tokens`` then includes loaded tokens the GPU does not hold. ``sent_at``
-        (monotonic): when the request was sent; window keys removed since are not learned
-        (KVIndex.infer). Returns how many keys were new."""
-        if self.index.trust(key) != "partial" or self.index.tiers_in_use() not in ([], ["GPU"]):
-            return 0
-        keys, _ = body_request_keys(body, self.cfg.lora_adapters)
-        behind = self.predictor.keys_behind(token_ids, keys, cached_tokens)
-        return self.index.infer(key, behind, sent_at=sent_at)
-
     def sending_to(
         self, key: ReplicaKey, token_ids: list[int] | None, body: dict[str, Any]
     ) -> int | None:
@@ -561,17 +540,23 @@ class PoolState:
         body: dict[str, Any],
         cached_tokens: int,
         sent_at: float,
-    ) -> None:
+        *,
+        learn: bool,
+    ) -> int:
         """vLLM reported ``cached_tokens`` for a request sent at ``sent_at`` (monotonic) to a
-        partial replica: the keys its hit rule needed were touched then, so a copy of each
-        was freed after (router.core.eviction_order). Nothing on other replicas, nor where a
-        connector tier is indexed (``cached_tokens`` then counts loaded tokens too)."""
+        *partial* replica. The keys its hit rule needed were touched then, so a copy of each
+        was freed after (router.core.eviction_order). With ``learn`` (it reported more than
+        predicted) they are also recorded as held, whether or not an event said so (cached
+        before the router attached), so the next request with that prefix is predicted
+        exactly; window keys removed since ``sent_at`` are not (KVIndex.infer). Nothing on
+        other replicas, nor where a connector tier is indexed (``cached_tokens`` then counts
+        loaded tokens the GPU does not hold). Returns how many keys were learned."""
         if self.index.trust(key) != "partial" or self.index.tiers_in_use() not in ([], ["GPU"]):
-            return
+            return 0
         req, _ = body_request_keys(body, self.cfg.lora_adapters)
-        self.index.witness_touched(
-            key, self.predictor.keys_behind(token_ids, req, cached_tokens), sent_at
-        )
+        behind = self.predictor.keys_behind(token_ids, req, cached_tokens)
+        self.index.witness_touched(key, behind, sent_at)
+        return self.index.infer(key, behind, sent_at=sent_at) if learn else 0
 
     def imply_partial(self, token_ids: list[int], body: dict[str, Any]) -> int:
         """Before a decision: record what each partial replica holds of this request's
