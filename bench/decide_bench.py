@@ -55,6 +55,7 @@ def make_pool(
     routing: bool = True,
     seed: int = 1,
     affinity_weight: float | None = None,
+    load_band_tokens: float = 0.0,
 ) -> PoolState:
     """The router's own pool (fa + swa 128, 16-token blocks) over replicas with no event
     stream, each reset to known-empty and so trusted (tests/test_speculative.py uses it too).
@@ -74,6 +75,8 @@ speculative_routing = {"true" if routing else "false"}
 """
     if affinity_weight is not None:
         toml += f"affinity_weight = {affinity_weight}\n"
+    if load_band_tokens:
+        toml += f"load_band_tokens = {float(load_band_tokens)}\n"
     for name in names:
         toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
     return pool_from_toml(toml)

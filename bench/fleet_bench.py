@@ -266,8 +266,19 @@ def run_replicas(replicas: int, args: argparse.Namespace) -> tuple[list[dict], d
     rng = random.Random(args.seed * 1_000_003 + replicas)
     progress(f"{replicas} replicas: building the pool")
     t0 = time.perf_counter()
-    pool = make_pool([f"r{i}" for i in range(replicas)], speculative=False, seed=args.seed)
+    pool = make_pool(
+        [f"r{i}" for i in range(replicas)],
+        speculative=False,
+        seed=args.seed,
+        load_band_tokens=args.band,
+    )
     build_s = time.perf_counter() - t0
+    if args.band:  # a fleet at work: some load on each replica and each cache's churn
+        for rep in pool.replicas.values():
+            rep.request_started(0, rng.choice([0, 0, 512, 2048, 16_384]))
+            pool.wrote(rep, 0, rng.randint(1, 50_000))
+    if args.full_scan:
+        pool._decide_shortlist = lambda *a, **k: None  # type: ignore[method-assign]
     bg = Background(pool, rng, args.blocks_per_replica, args.removals)
     mem, removals = populate(pool, bg)  # first, so tracemalloc sees the index grow from empty
     stored = {t: [token_ids(rng, t) for _ in range(PROMPTS)] for t in args.tokens}
@@ -310,7 +321,8 @@ def markdown(doc: dict) -> str:
         "# Fleet bench: decisions, index memory and removals against replicas",
         "",
         f"`{doc['command']}` on {doc['meta']['cores']} cores, Python {doc['meta']['python']}.",
-        f"Pool: {w['layout']}; policy defaults (speculation off, prefix homes on). "
+        f"Pool: {w['layout']}; policy {w.get('policy', 'defaults')} (speculation off, "
+        "prefix homes on). "
         f"Background per replica: {w['background']}. Replicas: {w.get('trust', 'exact')}.",
         "",
         f"## Decision (`PoolState.decide`), µs; up to {a['n']} decisions per cell",
@@ -361,6 +373,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--partial", action="store_true",
                     help="every replica partial (attached late): decisions pay the implication "
                          "of partial replicas' keys (docs/live-fleet.md)")  # fmt: skip
+    ap.add_argument("--band", type=float, default=0.0,
+                    help="the kv policy's load_band_tokens; each replica then gets some load "
+                         "and a cache-churn history before the decisions")  # fmt: skip
+    ap.add_argument("--full-scan", action="store_true",
+                    help="decide by the full scan only (no shortlist): what it saves")  # fmt: skip
     ap.add_argument("--quick", action="store_true",
                     help="8 and 64 replicas, 2k tokens, 40 decisions per cell")  # fmt: skip
     args = ap.parse_args(argv)
@@ -395,6 +412,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             "stored_prompts": f"{PROMPTS} per length, each on two replicas",
             "trust": "every replica partial (attached late)" if args.partial else "exact",
+            "policy": (
+                f"load_band_tokens = {args.band:g}, each replica with 0-16k tokens queued and "
+                "1-50k new tokens written"
+                if args.band
+                else "defaults"
+            )
+            + (", full scan only" if args.full_scan else ""),
         },
         "cells": cells,
         "index": index,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from router.config import PolicyConfig
 from router.core.policy import Candidate, KVCostPolicy
-from router.core.pressure import DecayingSum
+from router.core.pressure import ORDER_KEY_SLACK, DecayingSum
 
 
 def test_a_decaying_sum_halves_every_half_life() -> None:
@@ -22,6 +22,34 @@ def test_a_decaying_sum_halves_every_half_life() -> None:
     s.add(500, now=110.0)  # 500 left of the first + 500 new
     assert math.isclose(s.value(130.0), 250)  # two half-lives later
     assert s.value(120.0) == s.value(130.0)  # a clock that went back reads the last value
+
+
+_ADDS = st.lists(
+    st.tuples(st.integers(1, 100_000), st.floats(0, 3600, allow_nan=False)), max_size=4
+)
+
+
+@given(st.lists(_ADDS, min_size=2, max_size=6), st.floats(0, 7200), st.floats(1.0, 1e6))
+def test_the_order_key_orders_sums_as_their_values_at_any_later_time(
+    histories: list[list[tuple[int, float]]], later: float, clock: float
+) -> None:
+    """router.core.shortlist sorts replicas by ``order_key`` between decisions and reads
+    values only near the front: keys further apart than the slack must read in that order at
+    every time after the adds (a monotonic clock up to 1e6 s here), and a never-added sum
+    (key -inf) reads 0.0."""
+    sums = []
+    for adds in histories:
+        s = DecayingSum(30.0)
+        for amount, at in sorted(adds, key=lambda a: a[1]):
+            s.add(amount, clock + at)
+        sums.append(s)
+    now = clock + 3600 + later
+    for a in sums:
+        if a.order_key() == -math.inf:
+            assert a.value(now) == 0.0
+        for b in sums:
+            if a.order_key() + ORDER_KEY_SLACK < b.order_key():
+                assert a.value(now) < b.value(now) or a.value(now) == 0.0 == b.value(now)
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])

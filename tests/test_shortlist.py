@@ -19,10 +19,12 @@ from bench.decide_bench import pool_from_toml
 from events.schema import BlockStored
 from router.config import PolicyConfig
 from router.core.policy import Candidate, KVCostPolicy, NoCandidates, queued_tokens
+from router.core.pressure import DecayingSum
 from router.core.shortlist import LoadBook, choose_shortlist
 from router.server.state import PoolState, ShortlistMismatch
 
 KEYS = [(f"r{i:02d}", r) for i in range(40) for r in (0, 1)]
+NOW = 1000.0
 
 
 def _same(fast, ref) -> None:  # type: ignore[no-untyped-def]
@@ -41,6 +43,7 @@ def pure_case(draw: st.DrawFn) -> tuple:
         tie_tokens=draw(st.sampled_from([0.0, 0.5, 100.0])),
         affinity_weight=draw(st.sampled_from([0.0, 2.0])),
         pressure_weight=draw(st.sampled_from([0.0, 0.5])),
+        load_band_tokens=draw(st.sampled_from([0.0, 0.0, 300.0, 4096.0])),
     )
     keys = draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=60, unique=True))
     loads = st.sampled_from([0, 0, 0, 100, 256, 300])
@@ -62,41 +65,59 @@ def pure_case(draw: st.DrawFn) -> tuple:
             )
         )
     book_members = {}
+    churns = {}
     for key in keys[n_explicit:]:
+        # cache churn (the band's tie-break): none, or new tokens some seconds before NOW;
+        # 50 at NOW reads 50.0 exactly, as an explicit candidate's may
+        w = None
+        if cfg.pressure_weight == 0:  # (with pressure, a written replica is never in the book)
+            adds = draw(st.sampled_from([(), (), ((50, 0.0),), ((50, 10.0),), ((3000, 40.0),),
+                                         ((3000, 200.0),), ((80, 5.0), (50, 0.0))]))  # fmt: skip
+            if adds:
+                w = DecayingSum(30.0)
+                for amount, ago in adds:
+                    w.add(amount, NOW - ago)
+        churns[key] = w
         book_members[key] = Candidate(
             key,
             trusted=draw(st.booleans()),
             in_flight=draw(st.integers(0, 1)),
             pending_prefill_tokens=draw(loads),
+            recent_new_tokens=w.value(NOW) if w is not None else 0.0,
         )
     # the book may also hold explicit replicas (then skipped) and excluded ones
     also = [c.key for c in explicit if draw(st.booleans())]
     excluded = [k for k in book_members if draw(st.integers(0, 9)) == 0]
     seed = draw(st.integers(0, 2**16))
-    return cfg, explicit, book_members, also, excluded, seed
+    return cfg, explicit, book_members, churns, also, excluded, seed
 
 
 @settings(max_examples=400, deadline=None)
 @given(pure_case())
 def test_choose_shortlist_equals_the_full_scan(case: tuple) -> None:
-    cfg, explicit, members, also, excluded, seed = case
+    cfg, explicit, members, churns, also, excluded, seed = case
     book = LoadBook()
     for key, c in members.items():
-        book.put(key, queued_tokens(c, cfg))
+        book.put(key, queued_tokens(c, cfg), churns[key])
     for key in also:
         book.put(key, 256.0)
     fast_policy = KVCostPolicy(cfg, random.Random(seed))
     ref_policy = KVCostPolicy(cfg, random.Random(seed))
     n = 1024
     cands = explicit + [c for k, c in members.items() if k not in excluded]
+    skip = [*excluded, *also]
     try:
         ref = ref_policy.choose(n, cands)
     except NoCandidates:
         with pytest.raises(NoCandidates):
-            choose_shortlist(fast_policy, n, explicit, book, [*excluded, *also])
+            choose_shortlist(fast_policy, n, explicit, book, skip, now=NOW)
         return
-    fast = choose_shortlist(fast_policy, n, explicit, book, [*excluded, *also])
-    assert fast is not None
+    fast = choose_shortlist(fast_policy, n, explicit, book, skip, now=NOW)
+    if fast is None:
+        # only the band's tie-break may decline: book replicas of equal churn (same sums)
+        assert cfg.load_band_tokens > 0
+        assert fast_policy.rng.getstate() == random.Random(seed).getstate()  # nothing drawn
+        return
     _same(fast, ref)
     assert fast_policy.rng.getstate() == ref_policy.rng.getstate()
 
@@ -116,10 +137,50 @@ def test_a_big_idle_tie_is_decided_without_listing_it() -> None:
         assert fast.tied == 256 and len(fast.ranked) == 1
 
 
+def test_a_banded_fleet_goes_to_its_least_churned_replica_without_listing_it() -> None:
+    """With a load band every idle replica ties; the full scan takes the one whose cache
+    turned over least. The shortlist finds it in the book's churn order: it reports only the
+    chosen one and draws nothing (one replica is lightest)."""
+    cfg = PolicyConfig(load_band_tokens=4096)
+    book = LoadBook()
+    cands = []
+    rng = random.Random(7)
+    for i in range(256):
+        key = (f"r{i:03d}", 0)
+        w = DecayingSum(30.0)
+        w.add(rng.randint(1, 5000), NOW - rng.uniform(0, 60))
+        q = float(rng.choice([0, 256, 512, 8000]))
+        book.put(key, q, w)
+        cands.append(Candidate(key, pending_prefill_tokens=int(q), recent_new_tokens=w.value(NOW)))
+    for seed in range(5):
+        policy = KVCostPolicy(cfg, random.Random(seed))
+        fast = choose_shortlist(policy, 2048, [], book, [], now=NOW)
+        ref = KVCostPolicy(cfg, random.Random(seed)).choose(2048, cands)
+        assert fast is not None
+        _same(fast, ref)
+        assert len(fast.ranked) == 1 and fast.tied > 100
+        assert policy.rng.getstate() == random.Random(seed).getstate()
+        inside = [c for c in cands if c.pending_prefill_tokens <= 4096]
+        assert fast.chosen.key == min(inside, key=lambda c: c.recent_new_tokens).key
+
+
+def test_a_write_alone_reorders_the_banded_book() -> None:
+    """``PoolState.wrote`` re-files the replica: the band's tie-break reads churn off the book,
+    and a stale order would pick as if nothing had been written (tests/conftest.py checks
+    every shortlist decision against the full scan, which would raise here)."""
+    pool = _pool("seed = 1\nload_band_tokens = 4096.0", [("a", 1), ("b", 1)], swa=False)
+    pool.decide(list(range(100, 400)), {})  # files both replicas in the book
+    pool.wrote(pool.replicas["a"], 0, 1000)
+    pool.wrote(pool.replicas["b"], 0, 10)
+    for i in range(3):
+        got = pool.decide(list(range(1000 + 500 * i, 1300 + 500 * i)), {})
+        assert got.decision.chosen.key == ("b", 0)
+
+
 def test_it_declines_what_it_cannot_decide_exactly() -> None:
     book = LoadBook()
     book.put(("a", 0), 0.0)
-    for cfg in (PolicyConfig(temperature=1.0), PolicyConfig(load_band_tokens=64.0)):
+    for cfg in (PolicyConfig(temperature=1.0), PolicyConfig(load_band_tokens=float("inf"))):
         policy = KVCostPolicy(cfg, random.Random(1))
         state = policy.rng.getstate()
         assert choose_shortlist(policy, 100, [], book, []) is None
@@ -177,6 +238,7 @@ def pool_case(draw: st.DrawFn) -> dict:
             f"pressure_weight = {draw(st.sampled_from([0.0, 0.0, 0.5]))}",
             f"affinity_weight = {draw(st.sampled_from([0.0, 2.0]))}",
             f"per_request_tokens = {draw(st.sampled_from([0.0, 256.0]))}",
+            f"load_band_tokens = {draw(st.sampled_from([0.0, 0.0, 300.0, 4096.0]))}",
             "lower_tier_weights = {CPU = 0.5}",
         ]
     )

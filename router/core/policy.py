@@ -244,16 +244,8 @@ class _CostPolicy:
 
     def _banded(self, scored: list[Scored]) -> list[Scored]:
         """``load_band_tokens``: queued work within the band of the least queued candidate
-        counts as equal (module docstring, load band)."""
-        band = self.cfg.load_band_tokens if self.banded else 0.0
-        if band <= 0 or len(scored) < 2:
-            return scored
-        floor = min(s.queued for s in scored)
-        out = []
-        for s in scored:
-            q = floor + max(0.0, s.queued - floor - band)
-            out.append(dataclasses.replace(s, cost=s.cost - s.queued + q, queued=q))
-        return out
+        counts as equal (module docstring, load band). The comparison policies have none."""
+        return scored
 
     def choose(
         self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
@@ -333,6 +325,21 @@ class KVCostPolicy(_CostPolicy):
         pressure = cfg.pressure_weight * c.recent_new_tokens
         cost = prefill + queued - ahead + pressure - affinity
         return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure, affinity)
+
+    def band(self, s: Scored, floor: float) -> Scored:
+        """``s`` with its ``queued`` seen through the load band above ``floor`` (the least
+        queued candidate's), the cost computed again from its terms in :meth:`score_queued`'s
+        order: every replica inside the band then costs bit for bit the same as any other
+        with the same terms, which router.core.shortlist relies on to stand for them all."""
+        q = floor + max(0.0, s.queued - floor - self.cfg.load_band_tokens)
+        cost = s.prefill + q - s.look_ahead + s.pressure - s.affinity
+        return dataclasses.replace(s, cost=cost, queued=q)
+
+    def _banded(self, scored: list[Scored]) -> list[Scored]:
+        if self.cfg.load_band_tokens <= 0 or len(scored) < 2:
+            return scored
+        floor = min(s.queued for s in scored)
+        return [self.band(s, floor) for s in scored]
 
 
 class PrefixGroupBlindPolicy(_CostPolicy):

@@ -24,7 +24,12 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["DecayingSum"]
+__all__ = ["ORDER_KEY_SLACK", "DecayingSum"]
+
+ORDER_KEY_SLACK = 1e-7
+"""Bound on what rounding can do to :meth:`DecayingSum.order_key` against ``value``: the key's
+own rounding (about 1e-11 with a monotonic clock of a year) and ``value``'s (a few ulps,
+relative) are far below it."""
 
 
 class DecayingSum:
@@ -56,6 +61,19 @@ class DecayingSum:
             self._value *= math.exp(-self._rate * dt)
             self._at = t
         self._value += amount
+
+    def order_key(self) -> float:
+        """A number that orders sums of one half-life as their values order at any time, and
+        that time does not change: ``log(value(t)) + rate * t`` (-inf for a sum never added
+        to). router.core.shortlist keeps replicas sorted by it between decisions, to find
+        the one whose cache turned over least without reading every replica's value.
+
+        Two sums whose keys differ by more than :data:`ORDER_KEY_SLACK` read in that order
+        at any time, floats included; closer ones may read equal or, by rounding, the other
+        way round."""
+        if self._value <= 0:
+            return -math.inf
+        return math.log(self._value) + self._rate * self._at
 
     def value(self, now: float) -> float:
         """The sum at ``now`` (a clock that went backwards reads the last value)."""

@@ -23,16 +23,27 @@ pick is found by bisection, never by listing the run: 256 idle replicas tied cos
 and a few ``log n`` steps. The RNG is consumed exactly as the full scan does (one draw, same
 range), so a pool routes identically whichever path decided.
 
+With a load band (``load_band_tokens > 0``, :func:`_choose_banded`) every ``queued`` is seen
+through the band above the least queued candidate's, recomputed from the cost's terms, so the
+book's replicas inside the band all cost the same float: the tied ones are a prefix of the
+book, found by bisection. Among several tied candidates the full scan takes the one whose cache
+turned over least lately (``recent_new_tokens``), then the least queued, drawing only among
+equals; the book keeps its replicas in that order too (by
+:meth:`router.core.pressure.DecayingSum.order_key`, which time does not change), and
+:func:`_lightest` walks it from the least churned to the first one inside the tie.
+
 :func:`choose_shortlist` declines (returns None, before touching the RNG) where this does not
-hold: softmax sampling (``temperature > 0``), the load band, non-finite weights or costs. The
-caller then runs the full scan. Pure: no I/O, no clock.
+hold: softmax sampling (``temperature > 0``), non-finite weights, costs or band, and, with a
+band, churn sums too close to order without reading them all (equal histories, values that
+underflowed, or more than :data:`_WALK_LIMIT` least churned replicas outside the tie). The
+caller then runs the full scan. Pure: no I/O; the clock is passed in.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from sortedcontainers import SortedList
 
@@ -45,6 +56,7 @@ from router.core.policy import (
     NoCandidates,
     Scored,
 )
+from router.core.pressure import ORDER_KEY_SLACK, DecayingSum
 
 __all__ = ["LoadBook", "choose_shortlist"]
 
@@ -55,13 +67,19 @@ its cost terms are the same floats: ``w * 0`` is 0.0 for finite weights.)"""
 
 class LoadBook:
     """Replica keys ordered by their ``queued`` term (router.core.policy.queued_tokens), then
-    by key: a run of equal ``queued`` is contiguous and sorted by key."""
+    by key: a run of equal ``queued`` is contiguous and sorted by key.
 
-    __slots__ = ("_at", "_sorted")
+    Also ordered by cache churn (each key's :class:`DecayingSum` of new tokens, none: never
+    written), then ``queued``, then key, for the load band's tie-break (:func:`_lightest`).
+    Churn changes when the router sends a request, so the caller re-puts the replica then."""
+
+    __slots__ = ("_at", "_by_churn", "_churn", "_sorted")
 
     def __init__(self) -> None:
         self._sorted: SortedList = SortedList()
         self._at: dict[ReplicaKey, float] = {}
+        self._by_churn: SortedList = SortedList()
+        self._churn: dict[ReplicaKey, tuple[float, DecayingSum | None]] = {}
 
     def __len__(self) -> int:
         return len(self._at)
@@ -72,22 +90,30 @@ class LoadBook:
     def queued(self, key: ReplicaKey) -> float | None:
         return self._at.get(key)
 
-    def put(self, key: ReplicaKey, queued: float) -> None:
+    def put(self, key: ReplicaKey, queued: float, churn: DecayingSum | None = None) -> None:
         """Add or move ``key`` (``queued`` must be finite: the caller keeps the rest out)."""
         if not math.isfinite(queued):
             raise ValueError(f"queued must be finite to be ordered, got {queued!r} for {key}")
+        order = churn.order_key() if churn is not None else -math.inf
         old = self._at.get(key)
         if old is not None:
-            if old == queued:
+            old_order = self._churn[key][0]
+            if old == queued and old_order == order:
+                self._churn[key] = (order, churn)
                 return
             self._sorted.remove((old, key))
+            self._by_churn.remove((old_order, old, key))
         self._sorted.add((queued, key))
+        self._by_churn.add((order, queued, key))
         self._at[key] = queued
+        self._churn[key] = (order, churn)
 
     def discard(self, key: ReplicaKey) -> None:
         old = self._at.pop(key, None)
         if old is not None:
             self._sorted.remove((old, key))
+            order, _ = self._churn.pop(key)
+            self._by_churn.remove((order, old, key))
 
     def keys(self) -> list[ReplicaKey]:
         return list(self._at)
@@ -106,9 +132,19 @@ class LoadBook:
     def key_at(self, i: int) -> ReplicaKey:
         return self._sorted[i][1]
 
+    def queued_at(self, i: int) -> float:
+        return self._sorted[i][0]
+
     def position(self, queued: float, key: ReplicaKey) -> int:
         """Where ``(queued, key)`` is or would be."""
         return self._sorted.bisect_left((queued, key))
+
+    def by_churn(self) -> SortedList:
+        """``(order_key, queued, key)`` of every member, ascending (read only)."""
+        return self._by_churn
+
+    def churn(self, key: ReplicaKey) -> DecayingSum | None:
+        return self._churn[key][1]
 
 
 @dataclasses.dataclass(slots=True)
@@ -129,6 +165,7 @@ def choose_shortlist(
     book: LoadBook,
     skip: Collection[ReplicaKey],
     *,
+    now: float = 0.0,
     commit: bool = True,
 ) -> Decision | None:
     """``policy.choose(num_tokens, candidates)`` where the candidates are ``explicit`` plus
@@ -136,10 +173,12 @@ def choose_shortlist(
 
     ``Decision.ranked`` holds the chosen candidate first, then the other explicit ones in
     cost order (each scored as the full scan scores it); ``Decision.tied`` counts every tied
-    candidate, listed or not. None: this cannot be decided exactly here (nothing consumed)."""
+    candidate, listed or not. ``now`` is when the book's churn sums are read (the time the
+    explicit candidates' ``recent_new_tokens`` were read at). None: this cannot be decided
+    exactly here (nothing consumed)."""
     cfg = policy.cfg
-    tie = cfg.tie_tokens
-    if cfg.temperature > 0 or cfg.load_band_tokens > 0 or not (math.isfinite(tie) and tie >= 0):
+    tie, band = cfg.tie_tokens, cfg.load_band_tokens
+    if cfg.temperature > 0 or not (math.isfinite(tie) and tie >= 0 and math.isfinite(band)):
         return None
     weights = (
         cfg.lookahead_weight,
@@ -161,6 +200,8 @@ def choose_shortlist(
     scored = [policy.score(num_tokens, c) for c in explicit]
     if any(math.isnan(s.cost) for s in scored):
         return None
+    if band > 0:
+        return _choose_banded(policy, num_tokens, explicit, scored, book, skip, now, commit)
     best = min((s.cost for s in scored), default=math.inf)
     skipped: dict[float, list[ReplicaKey]] = {}
     for k in set(skip):
@@ -210,7 +251,14 @@ def _locate(
             return ex[pick]
         if len(rs) == 1:
             r = rs[0]
-            key, own = _select(book, r, sorted(skipped.get(r.queued, ())), ex, pick)
+            key, own = _select(
+                book.key_at,
+                lambda k, q=r.queued: book.position(q, k),
+                r.lo,
+                sorted(skipped.get(r.queued, ())),
+                ex,
+                pick,
+            )
         else:  # different queued floats rounding to one cost: rare, list them
             members = [s.key for s in ex]
             for r in rs:
@@ -227,17 +275,23 @@ def _locate(
 
 
 def _select(
-    book: LoadBook, run: _Run, skipped: list[ReplicaKey], extras: list[Scored], j: int
+    key_at: Callable[[int], ReplicaKey],
+    where: Callable[[ReplicaKey], int],
+    lo: int,
+    removed: list[ReplicaKey],
+    extras: list[Scored],
+    j: int,
 ) -> tuple[ReplicaKey, Scored | None]:
-    """The ``j``-th key of (the run's members - ``skipped``) + ``extras`` (explicit
-    candidates of the same cost) in key order, by bisection; with the extra's Scored when
-    the key is one."""
-    marks = sorted([(s.key, s) for s in extras] + [(k, None) for k in skipped], key=lambda m: m[0])
-    pos = run.lo
+    """The ``j``-th key of (a key-sorted stretch of positions from ``lo``, less ``removed``)
+    plus ``extras`` (explicit candidates of the same cost) in key order, by bisection
+    (``where(key)``: the position ``key`` has or would have); with the extra's Scored when the
+    key is one."""
+    marks = sorted([(s.key, s) for s in extras] + [(k, None) for k in removed], key=lambda m: m[0])
+    pos = lo
     for key, extra in marks:
-        at = book.position(run.queued, key)
+        at = where(key)
         if j < at - pos:
-            return book.key_at(pos + j), None
+            return key_at(pos + j), None
         j -= at - pos
         pos = at
         if extra is not None:
@@ -245,5 +299,178 @@ def _select(
                 return key, extra
             j -= 1
         else:
-            pos = at + 1  # the skipped member itself
-    return book.key_at(pos + j), None
+            pos = at + 1  # the removed member itself
+    return key_at(pos + j), None
+
+
+_WALK_LIMIT = 64
+"""Replicas :func:`_lightest` looks at, in churn order, before it leaves the decision to the
+full scan (the least churned replicas all being outside the band, or excluded)."""
+
+
+def _choose_banded(
+    policy: KVCostPolicy,
+    num_tokens: int,
+    explicit: Sequence[Candidate],
+    scored: list[Scored],
+    book: LoadBook,
+    skip: Collection[ReplicaKey],
+    now: float,
+    commit: bool,
+) -> Decision | None:
+    """:func:`choose_shortlist` with a load band (router.core.policy, load band).
+
+    Every candidate's ``queued`` is seen through the band above the least queued one
+    (:meth:`KVCostPolicy.band`), so the book's replicas inside the band all cost the same
+    float and the tied ones are a prefix of the book, found by bisection (cost is
+    non-decreasing along it). Among several tied candidates the full scan takes the least
+    churned, then least queued (one draw among equals): the book's is found by
+    :func:`_lightest`, walking its churn order rather than the tied replicas."""
+    skipped = {k for k in set(skip) if k in book}
+    first = next((i for i in range(len(skipped) + 1) if i < len(book)
+                  and book.key_at(i) not in skipped), None)  # fmt: skip
+    queues = [s.queued for s in scored]
+    if first is not None:
+        queues.append(book.queued_at(first))
+    if not queues:
+        raise NoCandidates(NO_CANDIDATES)
+    floor = min(queues)
+    banded = [policy.band(s, floor) for s in scored]
+
+    def member(q: float) -> Scored:
+        """A book replica with ``queued == q``, as the full scan scores it (key unset)."""
+        return policy.band(policy.score_queued(num_tokens, _ANON, q), floor)
+
+    best = min((s.cost for s in banded), default=math.inf)
+    if first is not None:
+        best = min(best, member(book.queued_at(first)).cost)
+    lo, end = 0, len(book)  # the book's tied prefix is positions [0, end)
+    while lo < end:
+        mid = (lo + end) // 2
+        if member(book.queued_at(mid)).cost - best <= policy.cfg.tie_tokens:
+            lo = mid + 1
+        else:
+            end = mid
+    skipped_tied = {k for k in skipped if book.position(book.queued(k), k) < end}  # type: ignore[arg-type]
+    tied_ex = [i for i, s in enumerate(banded) if s.cost - best <= policy.cfg.tie_tokens]
+    n_book = end - len(skipped_tied)
+    n_tied = len(tied_ex) + n_book
+    if not n_tied:
+        raise NoCandidates(NO_CANDIDATES)
+    others = sorted(banded, key=lambda s: (s.cost, s.key))
+    if n_tied == 1:
+        if tied_ex:
+            chosen = banded[tied_ex[0]]
+        else:
+            i = next(i for i in range(end) if book.key_at(i) not in skipped)
+            chosen = dataclasses.replace(member(book.queued_at(i)), key=book.key_at(i))
+        return _ranked(policy, chosen, others, n_tied)
+    # the tie-break: least churn, then least queued (the unbanded term), one draw among equals
+    light = {i: (explicit[i].recent_new_tokens, scored[i].queued) for i in tied_ex}
+    group = None
+    if n_book:
+        end_mark = (book.queued_at(end), book.key_at(end)) if end < len(book) else None
+        group = _lightest(book, end_mark, skipped, now)
+        if group is None:
+            return None
+    least = min([*light.values(), *([group[:2]] if group else [])])
+    ex_light = [banded[i] for i, v in light.items() if v == least]
+    in_group: list[ReplicaKey] = []
+    g_count = 0
+    if group is not None and group[:2] == least:
+        _, g_q, g_lo, g_hi = group
+        bc = book.by_churn()
+        order = bc[g_lo][0]
+        if order == -math.inf:  # the never-written run: skipped members may sit inside it
+            in_group = sorted(k for k in skipped if book.queued(k) == g_q and book.churn(k) is None)
+        g_count = g_hi - g_lo - len(in_group)
+    n_light = len(ex_light) + g_count
+    pick = policy.tie_rng(commit).randrange(n_light) if n_light > 1 else 0
+    if not g_count:
+        chosen = sorted(ex_light, key=lambda s: (s.cost, s.key))[pick]
+        return _ranked(policy, chosen, others, n_tied)
+    g_cost = member(g_q).cost
+    below = sorted((s for s in ex_light if s.cost < g_cost), key=lambda s: (s.cost, s.key))
+    same = [s for s in ex_light if s.cost == g_cost]
+    above = sorted((s for s in ex_light if s.cost > g_cost), key=lambda s: (s.cost, s.key))
+    if pick < len(below):
+        return _ranked(policy, below[pick], others, n_tied)
+    pick -= len(below)
+    if pick >= len(same) + g_count:
+        return _ranked(policy, above[pick - len(same) - g_count], others, n_tied)
+    key, own = _select(
+        lambda i: bc[i][2],
+        lambda k: bc.bisect_left((order, g_q, k)),
+        g_lo,
+        in_group,
+        same,
+        pick,
+    )
+    chosen = own if own is not None else dataclasses.replace(member(g_q), key=key)
+    return _ranked(policy, chosen, others, n_tied)
+
+
+def _ranked(policy: KVCostPolicy, chosen: Scored, ranked: list[Scored], tied: int) -> Decision:
+    return Decision(policy.name, (chosen, *(s for s in ranked if s.key != chosen.key)), tied)
+
+
+def _lightest(
+    book: LoadBook,
+    end: tuple[float, ReplicaKey] | None,
+    skipped: Collection[ReplicaKey],
+    now: float,
+) -> tuple[float, float, int, int] | None:
+    """The least ``(churn, queued)`` among the book's members before ``end`` (a ``(queued,
+    key)`` mark; None: all) and not ``skipped``, and the positions ``[lo, hi)`` of the book's
+    churn order holding every member with that pair (skipped ones included). None: not
+    decidable here without reading every member (the full scan decides).
+
+    Never-written members (churn 0.0) come first in churn order, by queued then key, so the
+    first eligible one gives the pair and its run is contiguous. Otherwise churn values are
+    distinct floats in practice: the first eligible member is the least unless one within
+    :data:`ORDER_KEY_SLACK` of its order key reads as light or lighter (rounding), or its
+    value underflowed; those cases decline."""
+    bc = book.by_churn()
+    zero_end = bc.bisect_left((-math.inf, math.inf))
+
+    def eligible(q: float, key: ReplicaKey) -> bool:
+        return (end is None or (q, key) < end) and key not in skipped
+
+    i = 0
+    while i < zero_end:
+        _, q, key = bc[i]
+        if end is not None and (q, key) >= end:
+            break  # later never-written members are more queued: outside the band's tie too
+        if key in skipped:
+            i += 1
+            continue
+        if zero_end < len(bc):
+            w = book.churn(bc[zero_end][2])
+            if w is None or w.value(now) < 1e-300:
+                return None  # a written member's churn may read 0.0 too
+        lo = bc.bisect_left((-math.inf, q))
+        return 0.0, q, lo, bc.bisect_left((-math.inf, math.nextafter(q, math.inf)))
+    found: tuple[float, float, int, float] | None = None  # value, queued, position, order
+    for i in range(zero_end, len(bc)):
+        order, q, key = bc[i]
+        if found is None:
+            if i >= zero_end + _WALK_LIMIT:
+                return None
+            if eligible(q, key):
+                w = book.churn(key)
+                v = w.value(now) if w is not None else 0.0
+                if v < 1e-300:
+                    return None
+                found = (v, q, i, order)
+            continue
+        if order > found[3] + ORDER_KEY_SLACK:
+            break
+        if i >= found[2] + _WALK_LIMIT:
+            return None
+        if eligible(q, key):
+            w = book.churn(key)
+            if w is None or w.value(now) <= found[0]:
+                return None  # too close to tell apart by the order key alone
+    if found is None:
+        return None
+    return found[0], found[1], found[2], found[2] + 1

@@ -623,7 +623,7 @@ class PoolState:
             for key in keys:
                 q = queued_tokens(_candidate(rep, key[1], None, 0, now), cfg)
                 if regular and math.isfinite(q) and not (pressure and key[1] in rep.written):
-                    book.put(key, q)
+                    book.put(key, q, rep.written.get(key[1]))
                 else:
                     irregular.add(key)
         self._dirty.clear()
@@ -677,7 +677,7 @@ class PoolState:
                 h = reported[key] = self.predictor.absent_hit(short, key)
             explicit.append(_candidate(rep, key[1], h, homed.get(key, 0), now))
         rng_before = policy.rng.getstate() if self.check_shortlist else None
-        decision = choose_shortlist(policy, len(token_ids), explicit, book, skipped)
+        decision = choose_shortlist(policy, len(token_ids), explicit, book, skipped, now=now)
         if decision is None:
             return None
         chosen = decision.chosen.key
@@ -756,8 +756,8 @@ class PoolState:
             w = rep.written.get(rank)
             if w is None:
                 w = rep.written[rank] = DecayingSum(self.cfg.policy.pressure_half_life_s)
-                rep.touch()
             w.add(new_tokens, time.monotonic())
+            rep.touch()  # the book orders replicas by it (router.core.shortlist, load band)
 
     def predict(
         self,
