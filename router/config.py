@@ -337,9 +337,11 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     61.2 / 61.4 % reuse against 60.7 % without, within the spread, at a TTFT mean of 259 /
     178 ms against 131 ms. With prefix homes (3 seeds x 3 repeats, 6-15 in flight,
     bench/results/real_vllm_load_band2.md), 4096 gave 62.1 % against 61.7 % and
-    cache_aware's 60.9 %, at a TTFT mean of 242 against 274 and 433 ms; still off, since one
-    round is all it has and a band turns off router.core.shortlist. Ties within the band go to
-    the replica whose cache turned over least lately, then the least queued (router.core.policy)."""
+    cache_aware's 60.9 %, at a TTFT mean of 242 against 274 and 433 ms, but the undisturbed
+    round after it (bench/results/real_vllm_load_band4.md) gave 61.2 % against 62.3 % and
+    62.6 %, losing more conversation histories to eviction: off. Ties within the band go to
+    the replica whose cache turned over least lately, then the least queued
+    (router.core.policy); router.core.shortlist decides banded requests exactly."""
     pressure_weight: float = 0.0
     """Cost per token of cache pressure (``recent_new_tokens``, router.core.pressure, which
     says why it is off by default: no gain measured on real vLLM at 0.05-0.25)."""
