@@ -246,6 +246,40 @@ def test_summarize_rebuilds_table_pairs_and_plot_from_json(tmp_path: Path) -> No
     assert "| cache_aware | 4 | +3.0, +4.0, +3.0, +4.0 | +3.5 | 4/4 | 2/4 | 2/4 |" in md
 
 
+def test_rounds_merge_into_per_seed_means_and_the_bar_s_verdict(tmp_path: Path) -> None:
+    """Issue 17's bar is judged on each seed's mean over every round: two rounds merged, the
+    second one's repeats numbered after the first's so the pairs stay within a round."""
+    one = [
+        _run("kv", 1, 1, 0.60, 80.0), _run("kv", 1, 2, 0.62, 80.0), _run("kv", 2, 1, 0.64, 80.0),
+        _run("cache_aware", 1, 1, 0.61, 90.0), _run("cache_aware", 1, 2, 0.61, 90.0),
+        _run("cache_aware", 2, 1, 0.63, 90.0),
+        _run("kv", 3, 1, 0.62, 80.0), _run("cache_aware", 3, 1, 0.62, 90.0),  # equal: "at least"
+    ]  # fmt: skip
+    two = [
+        _run("kv", 1, 1, 0.58, 80.0), _run("kv", 2, 1, 0.66, 80.0),
+        _run("cache_aware", 1, 1, 0.60, 90.0), _run("cache_aware", 2, 1, 0.64, 90.0),
+    ]  # fmt: skip
+    paths = []
+    for i, runs in enumerate((one, two)):
+        paths.append(tmp_path / f"round{i}.json")
+        paths[-1].write_text(json.dumps({"config": {"command": f"round {i}"}, "runs": runs}))
+    out = tmp_path / "pooled.json"
+    assert main(["--summarize", "--merge", *map(str, paths), "--out", str(out)]) == 0
+    md = out.with_suffix(".md").read_text()
+    # kv: seed 1 (60 + 62 + 58) / 3 = 60.00 < 60.67 = (61 + 61 + 60) / 3; seed 2 (64 + 66) / 2
+    # = 65.00 >= 63.50 = (63 + 64) / 2
+    assert "| kv | 3 / 2 / 1 | 60.00 / 65.00 / 62.00 | – |" in md
+    assert "| cache_aware | 3 / 2 / 1 | 60.67 / 63.50 / 62.00 | 2/3 |" in md
+    assert "| cache_aware | 6 | " in md  # 4 pairs in round 0, 2 in round 1, none across
+    pooled = json.loads(out.read_text())
+    assert sorted(r["repeat"] for r in pooled["runs"] if r["policy"] == "kv") == [1, 1, 1, 2, 3, 3]
+    assert pooled["config"]["command"] == "round 0 ; round 1"
+    with pytest.raises(SystemExit):
+        main(["--merge", str(paths[0]), "--out", str(out)])  # only with --summarize
+    with pytest.raises(SystemExit):
+        main(["--summarize", "--merge", str(tmp_path / "absent.json"), "--out", str(out)])
+
+
 def test_a_round_of_kv_with_options_only_is_paired_under_its_own_name() -> None:
     spec = "kv:speculative_insert=true,speculative_routing=false"
     runs = [_run(spec, 1, 1, 0.62, 80.0), _run("cache_aware", 1, 1, 0.60, 90.0)]

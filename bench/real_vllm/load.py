@@ -36,6 +36,7 @@ kvrouter how often ``x-kvrouter-predicted-hit`` (events only) and ``x-kvrouter-e
     python -m bench.real_vllm.load --seeds 1 2 3 --repeats 2            # the full matrix
     python -m bench.real_vllm.load --seeds 1 --requests 40 --policies kv cache_aware
     python -m bench.real_vllm.load --summarize                          # table + plot from JSON
+    python -m bench.real_vllm.load --summarize --merge A.json B.json --out pooled.json  # rounds
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from bench.plots import plot_real_vllm_load
 from bench.real_vllm.exactness import MODEL
 from bench.real_vllm.load_client import LoadRunner
 from bench.real_vllm.load_plan import PlanConfig, make_plan
-from bench.real_vllm.load_report import report, summarize_run
+from bench.real_vllm.load_report import merge, report, summarize_run
 from bench.real_vllm.replicas import VllmFleet, stop_on_sigterm
 from bench.real_vllm.through_router import prime, router_process, serve_config, settle
 from bench.real_vllm.vllm_router import vllm_router_process
@@ -294,12 +295,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--append", action="store_true", help="keep the runs already in --out")
     ap.add_argument("--keep-logs", action="store_true", help="keep every run's replica logs")
     ap.add_argument("--summarize", action="store_true", help="only rebuild table and plot")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="with --summarize: pool these rounds' runs into --out (repeats renumbered)",
+    )
     args = ap.parse_args(argv)
     args.options = policy_options(args.policy_option)
     for spec in args.policies:
         split_variant(spec, args.options)  # refuse a bad one before any replica starts
+    if args.merge and not args.summarize:
+        ap.error("--merge goes with --summarize")
     if args.summarize:
-        print(write_outputs(json.loads(args.out.read_text()), args.out))
+        if args.merge:
+            missing = [str(p) for p in args.merge if not p.exists()]
+            if missing:
+                ap.error(f"--merge: no such file: {', '.join(missing)}")
+            doc = merge([json.loads(p.read_text()) for p in args.merge])
+        else:
+            doc = json.loads(args.out.read_text())
+        print(write_outputs(doc, args.out))
         return 0
     stop_on_sigterm()
     doc: dict[str, Any] = {"runs": []}

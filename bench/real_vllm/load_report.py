@@ -240,6 +240,67 @@ def paired_table(runs: Sequence[dict[str, Any]], base: str | None = None) -> str
     return "\n".join(lines)
 
 
+def per_seed(runs: Sequence[dict[str, Any]], base: str) -> list[dict[str, Any]]:
+    """Each policy's mean reuse per seed, and the seeds where ``base``'s mean is at least its
+    own: issue 17's bar is ``kv`` ≥ ``cache_aware`` on every seed, judged on these means."""
+    grouped = _by_policy_seed(runs)
+    means = {
+        policy: {s: statistics.fmean(100 * r["reuse"] for r in rs) for s, rs in seeds.items()}
+        for policy, seeds in grouped.items()
+    }
+    mine = means.get(base, {})
+    out = []
+    for policy in _order(grouped):
+        m = means[policy]
+        common = sorted(set(m) & set(mine))
+        out.append(
+            {
+                "policy": policy,
+                "runs": {s: len(grouped[policy][s]) for s in sorted(m)},
+                "mean": m,
+                "base_at_least": None
+                if policy == base
+                else (sum(mine[s] >= m[s] for s in common), len(common)),
+            }
+        )
+    return out
+
+
+def per_seed_table(runs: Sequence[dict[str, Any]], base: str | None = None) -> str:
+    base = paired_base(runs) if base is None else base
+    rows = per_seed(runs, base)
+    seeds = sorted({r["seed"] for r in runs})
+    head = " / ".join(str(s) for s in seeds)
+    lines = [
+        f"| policy | runs per seed {head} | reuse % mean, seed {head} | seeds where {base} ≥ it |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        n = " / ".join(str(r["runs"].get(s, 0)) for s in seeds)
+        m = " / ".join(f"{r['mean'][s]:.2f}" if s in r["mean"] else "–" for s in seeds)
+        won = "–" if r["base_at_least"] is None else "{}/{}".format(*r["base_at_least"])
+        lines.append(f"| {r['policy']} | {n} | {m} | {won} |")
+    return "\n".join(lines)
+
+
+def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several rounds as one document. Each round's repeats are shifted past every repeat
+    before it, so a round's runs still pair by (seed, repeat) and rounds never collide; the
+    first round's config is kept, with every round's command."""
+    runs: list[dict[str, Any]] = []
+    top: dict[tuple[str, int], int] = {}
+    for doc in docs:
+        offset = dict(top)
+        for run in doc.get("runs") or []:
+            key = (run["policy"], run["seed"])
+            run = {**run, "repeat": run["repeat"] + max(offset.values(), default=0)}
+            top[key] = max(top.get(key, 0), run["repeat"])
+            runs.append(run)
+    cfg = dict((docs[0].get("config") or {}) if docs else {})
+    cfg["command"] = " ; ".join((d.get("config") or {}).get("command", "?") for d in docs)
+    return {"config": cfg, "runs": runs}
+
+
 def report(doc: dict[str, Any]) -> str:
     """The whole markdown report of a benchmark document."""
     runs = doc.get("runs") or []
@@ -257,6 +318,8 @@ def report(doc: dict[str, Any]) -> str:
             head,
             "## Per policy\n",
             markdown_table(runs),
+            "\n## Per seed (mean of each seed's runs)\n",
+            per_seed_table(runs),
             "\n## Paired (same seed and repeat)\n",
             paired_table(runs),
             "\n## Where reuse is lost (bench/real_vllm/load_losses.py)\n",
