@@ -96,7 +96,7 @@ def pure_case(draw: st.DrawFn) -> tuple:
 @given(pure_case())
 def test_choose_shortlist_equals_the_full_scan(case: tuple) -> None:
     cfg, explicit, members, churns, also, excluded, seed = case
-    book = LoadBook()
+    book = LoadBook(churn_order=cfg.load_band_tokens > 0)
     for key, c in members.items():
         book.put(key, queued_tokens(c, cfg), churns[key])
     for key in also:
@@ -142,7 +142,7 @@ def test_a_banded_fleet_goes_to_its_least_churned_replica_without_listing_it() -
     turned over least. The shortlist finds it in the book's churn order: it reports only the
     chosen one and draws nothing (one replica is lightest)."""
     cfg = PolicyConfig(load_band_tokens=4096)
-    book = LoadBook()
+    book = LoadBook(churn_order=True)
     cands = []
     rng = random.Random(7)
     for i in range(256):

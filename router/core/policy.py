@@ -218,6 +218,12 @@ def queued_tokens(c: Candidate, cfg: PolicyConfig) -> float:
     return q
 
 
+def _cost(prefill: float, queued: float, ahead: float, pressure: float, affinity: float) -> float:
+    """The kv cost from its terms, always in this order: scoring and the load band must
+    produce the same float for the same terms (router.core.shortlist relies on it)."""
+    return prefill + queued - ahead + pressure - affinity
+
+
 class _CostPolicy:
     """Shared ranking: costs, ties within ``tie_tokens`` at random, optional softmax."""
 
@@ -323,16 +329,16 @@ class KVCostPolicy(_CostPolicy):
             hit, eff, ahead, affinity = 0, 0.0, 0.0, 0.0
         prefill = max(0.0, num_tokens - eff)
         pressure = cfg.pressure_weight * c.recent_new_tokens
-        cost = prefill + queued - ahead + pressure - affinity
+        cost = _cost(prefill, queued, ahead, pressure, affinity)
         return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure, affinity)
 
     def band(self, s: Scored, floor: float) -> Scored:
         """``s`` with its ``queued`` seen through the load band above ``floor`` (the least
-        queued candidate's), the cost computed again from its terms in :meth:`score_queued`'s
-        order: every replica inside the band then costs bit for bit the same as any other
-        with the same terms, which router.core.shortlist relies on to stand for them all."""
+        queued candidate's), the cost computed again from its terms (:func:`_cost`, as
+        :meth:`score_queued` does): every replica inside the band then costs bit for bit the
+        same as any other with the same terms, which router.core.shortlist relies on."""
         q = floor + max(0.0, s.queued - floor - self.cfg.load_band_tokens)
-        cost = s.prefill + q - s.look_ahead + s.pressure - s.affinity
+        cost = _cost(s.prefill, q, s.look_ahead, s.pressure, s.affinity)
         return dataclasses.replace(s, cost=cost, queued=q)
 
     def _banded(self, scored: list[Scored]) -> list[Scored]:

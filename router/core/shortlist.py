@@ -69,15 +69,18 @@ class LoadBook:
     """Replica keys ordered by their ``queued`` term (router.core.policy.queued_tokens), then
     by key: a run of equal ``queued`` is contiguous and sorted by key.
 
-    Also ordered by cache churn (each key's :class:`DecayingSum` of new tokens, none: never
-    written), then ``queued``, then key, for the load band's tie-break (:func:`_lightest`).
-    Churn changes when the router sends a request, so the caller re-puts the replica then."""
+    With ``churn_order`` (a load band is set) also ordered by cache churn (each key's
+    :class:`DecayingSum` of new tokens, none: never written), then ``queued``, then key, for
+    the band's tie-break (:func:`_lightest`); churn changes when the router sends a request,
+    so the caller re-puts the replica then. Without a band nothing reads that order, and the
+    routing path does not pay for keeping it."""
 
-    __slots__ = ("_at", "_by_churn", "_churn", "_sorted")
+    __slots__ = ("_at", "_by_churn", "_churn", "_sorted", "churn_order")
 
-    def __init__(self) -> None:
+    def __init__(self, churn_order: bool = False) -> None:
         self._sorted: SortedList = SortedList()
         self._at: dict[ReplicaKey, float] = {}
+        self.churn_order = churn_order
         self._by_churn: SortedList = SortedList()
         self._churn: dict[ReplicaKey, tuple[float, DecayingSum | None]] = {}
 
@@ -94,6 +97,8 @@ class LoadBook:
         """Add or move ``key`` (``queued`` must be finite: the caller keeps the rest out)."""
         if not math.isfinite(queued):
             raise ValueError(f"queued must be finite to be ordered, got {queued!r} for {key}")
+        if not self.churn_order:
+            churn = None
         order = churn.order_key() if churn is not None else -math.inf
         old = self._at.get(key)
         if old is not None:
@@ -201,6 +206,8 @@ def choose_shortlist(
     if any(math.isnan(s.cost) for s in scored):
         return None
     if band > 0:
+        if not book.churn_order:
+            return None  # a book kept without churn cannot break the band's ties
         return _choose_banded(policy, num_tokens, explicit, scored, book, skip, now, commit)
     best = min((s.cost for s in scored), default=math.inf)
     skipped: dict[float, list[ReplicaKey]] = {}
