@@ -339,3 +339,51 @@ def test_losses_split_each_kind_by_its_own_limit() -> None:
     row = losses_table(doc, ["kv"]).splitlines()[2]
     # 960 / 1664 of the bound; one-offs 1500 of 1020 + 2200 + 1500 prompt tokens
     assert row == "| kv | 1 | 0.0 % | 1.0 / 1.0 | 57.7 % | 1.0 / 1.0 | 704 | 31.8 % |"
+
+
+def test_the_ceiling_counts_two_misses_per_family_and_each_later_turn_s_bound() -> None:
+    from bench.real_vllm.load_losses import ceiling_table, run_ceiling
+
+    cfg = PlanConfig(requests=60)
+    plan = make_plan(35, cfg)
+    convs = [s for s in plan.sessions if s.kind == "conversation"]
+    a, b, c = [s for s in convs if s.system == 1][:3]
+    firsts = {s.user_messages[0].split()[0] for s in (a, b, c)}
+    assert len(firsts) == 3, "the hand count below assumes no user words in common"
+    other = next(s for s in plan.sessions if s.kind == "one_off")
+    system = len(plan.system_prompts[1].split())
+    # <system> + 414 words + <user> = 416 tokens, a whole number of 32-token blocks: one
+    # template token more or less would change the ceiling by a block
+    assert system == 414
+
+    def rec(s, turn, t, prompt, cached, error=None):
+        return {"sid": s.sid, "turn": turn, "kind": s.kind, "send_s": t, "replica": "A",
+                "prompt_tokens": prompt, "cached_tokens": cached, "error": error}  # fmt: skip
+
+    records = [
+        rec(b, 0, 0.0, 900, 0),  # the family's first request: 0
+        rec(a, 0, 0.1, 950, 0),  # its second, which pins the junction: 0
+        rec(c, 0, 0.2, 990, 0),  # from the third on: <system> S <user> aligned
+        rec(b, 1, 0.5, 1000, 0),  # bound (900 - 1) // 32 * 32 = 896
+        rec(other, 0, 0.6, 1500, 0),  # never
+        rec(a, 1, 0.7, 1200, 0, error="timeout"),  # not answered: out of both sums
+        rec(a, 2, 0.9, 1300, 0),  # previous turn not answered: 0
+    ]
+    ceiling, prompt = run_ceiling({"seed": 35, "records": records}, cfg)
+    assert prompt == 900 + 950 + 990 + 1000 + 1500 + 1300
+    assert ceiling == 416 + 896
+    # a run that reached it: every cached token the ceiling allows
+    reached = [dict(r) for r in records]
+    reached[2]["cached_tokens"] = 416
+    reached[3]["cached_tokens"] = 896
+    doc = {
+        "config": {"requests": 60},
+        "runs": [
+            {"policy": "kv", "seed": 35, "records": reached},
+            {"policy": "cache_aware", "seed": 35, "records": records},
+        ],
+    }
+    lines = ceiling_table(doc, ["kv", "cache_aware"]).splitlines()
+    pct = f"{100 * ceiling / prompt:.2f}"
+    assert lines[2] == f"| kv | {pct} | {pct} | 100.0 % |"
+    assert lines[3] == f"| cache_aware | 0.00 | {pct} | 0.0 % |"

@@ -15,6 +15,12 @@ split three ways, and each kind has its own limit:
   In this layout a conversation diverging right after the system prompt misses even then until
   one request has stored a window checkpoint at that point (spec §4.7 Example 2): the family's
   second conversation on a replica misses by rule, later ones miss only if it was evicted.
+
+The same limits give each run a **ceiling** (:func:`run_ceiling`): the reuse no router can
+exceed on that run's prompts, reached only with no eviction, no split family and no request
+arriving before the one it should reuse has stored its blocks. Against it, "kv ≥ cache_aware
+by two points" can be judged for what it asks: on a seed where the ceiling is within two
+points of ``cache_aware``'s reuse, no router gets there.
 """
 
 from __future__ import annotations
@@ -73,6 +79,97 @@ def run_losses(run: dict[str, Any], plan_cfg: PlanConfig) -> dict[str, Any]:
             c["later_short_moved" if moved else "later_short_stayed"] += 1
             c["later_lost"] += bound - cached
     return dict(c)
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+def run_ceiling(run: dict[str, Any], plan_cfg: PlanConfig) -> tuple[int, int]:
+    """``(ceiling, prompt)`` tokens of one run: the most any router could have had cached,
+    and the run's prompt tokens (the denominator of its reuse, the answered requests).
+
+    * one-offs: 0;
+    * a conversation's first turn: 0 for the first two of its family (the family's first
+      request, then the one that pins the junction: spec §4.1, §4.7 Example 2); after that
+      the aligned longest prefix it shares with an earlier conversation of the family: the
+      chat template renders ``<system> S <user> U ...`` one token per word, so that is
+      ``2 + len(S) + `` the user words in common, rounded down to a 32-token block;
+    * a later turn: its bound, the previous turn's prompt rounded down (module docstring);
+      0 when the previous turn was not answered.
+    """
+    plan = make_plan(run["seed"], plan_cfg)
+    sessions = {s.sid: s for s in plan.sessions}
+    ok = [r for r in run["records"] if r.get("error") is None]
+    prompt = sum(r.get("prompt_tokens") or 0 for r in ok)
+    turns = {(r["sid"], r["turn"]): r for r in ok}
+    earlier: dict[int, list[list[str]]] = {}
+    ceiling = 0
+    for r in sorted(ok, key=lambda r: r["send_s"]):
+        s = sessions[r["sid"]]
+        if s.kind != "conversation" or s.system is None:
+            continue
+        if r["turn"] > 0:
+            prev = turns.get((r["sid"], r["turn"] - 1))
+            if prev is not None and prev.get("prompt_tokens"):
+                ceiling += (prev["prompt_tokens"] - 1) // BLOCK * BLOCK
+            continue
+        seen = earlier.setdefault(s.system, [])
+        mine = _words(s.user_messages[0])
+        if len(seen) >= 2:
+            common = max(_common(mine, other) for other in seen)
+            shared = 2 + len(_words(plan.system_prompts[s.system])) + common
+            ceiling += min(shared, (r.get("prompt_tokens") or 1) - 1) // BLOCK * BLOCK
+        seen.append(mine)
+    return ceiling, prompt
+
+
+def _common(a: Sequence[str], b: Sequence[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def ceiling_table(doc: dict[str, Any], order: Sequence[str]) -> str:
+    """Per policy and seed, the mean reuse against the mean ceiling of the same runs
+    (:func:`run_ceiling`), and the share of the ceiling reached."""
+    plan_cfg = _plan_config(doc.get("config") or {})
+    got: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    for run in doc.get("runs") or []:
+        ceiling, prompt = run_ceiling(run, plan_cfg)
+        if not prompt:
+            continue
+        cached = sum(r.get("cached_tokens") or 0 for r in run["records"] if r.get("error") is None)
+        got.setdefault(run["policy"], {}).setdefault(run["seed"], []).append(
+            (100 * cached / prompt, 100 * ceiling / prompt)
+        )
+    seeds = sorted({s for per in got.values() for s in per})
+    head = " / ".join(str(s) for s in seeds)
+    lines = [
+        f"| policy | reuse % mean, seed {head} | ceiling % mean, seed {head} "
+        f"| share of the ceiling reached, seed {head} |",
+        "|---|---|---|---|",
+    ]
+
+    def cells(policy: str, f) -> str:
+        per = got[policy]
+        return " / ".join(
+            f(sum(a for a, _ in per[s]) / len(per[s]), sum(c for _, c in per[s]) / len(per[s]))
+            if s in per
+            else "–"
+            for s in seeds
+        )
+
+    for policy in [p for p in order if p in got]:
+        lines.append(
+            f"| {policy} | {cells(policy, lambda a, c: f'{a:.2f}')} "
+            f"| {cells(policy, lambda a, c: f'{c:.2f}')} "
+            f"| {cells(policy, lambda a, c: f'{100 * a / c:.1f} %' if c else '–')} |"
+        )
+    return "\n".join(lines)
 
 
 def losses_table(doc: dict[str, Any], order: Sequence[str]) -> str:

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bench.real_vllm.load_losses import losses_table
+from bench.real_vllm.load_losses import ceiling_table, losses_table
 
 POLICY_ORDER = ("kv", "prefix_group_blind", "cache_aware", "least_load", "round_robin")
 
@@ -324,6 +324,8 @@ def report(doc: dict[str, Any]) -> str:
             paired_table(runs),
             "\n## Where reuse is lost (bench/real_vllm/load_losses.py)\n",
             losses_table(doc, _order({r["policy"] for r in runs})),
+            "\n## Against the ceiling (no eviction, no split family: load_losses.run_ceiling)\n",
+            ceiling_table(doc, _order({r["policy"] for r in runs})),
             "\n## Every run\n",
             run_lines(runs),
             "",
