@@ -353,8 +353,12 @@ def test_the_ceiling_counts_two_misses_per_family_and_each_later_turn_s_bound() 
     other = next(s for s in plan.sessions if s.kind == "one_off")
     system = len(plan.system_prompts[1].split())
     # <system> + 414 words + <user> = 416 tokens, a whole number of 32-token blocks: one
-    # template token more or less would change the ceiling by a block
+    # template token fewer would change the ceiling by a block; family 0's 861 words make 863
+    # tokens, one short of a block: one more would
     assert system == 414
+    d, e, f = [s for s in convs if s.system == 0][:3]
+    assert len(plan.system_prompts[0].split()) == 861
+    assert len({s.user_messages[0].split()[0] for s in (d, e, f)}) == 3
 
     def rec(s, turn, t, prompt, cached, error=None):
         return {"sid": s.sid, "turn": turn, "kind": s.kind, "send_s": t, "replica": "A",
@@ -368,14 +372,18 @@ def test_the_ceiling_counts_two_misses_per_family_and_each_later_turn_s_bound() 
         rec(other, 0, 0.6, 1500, 0),  # never
         rec(a, 1, 0.7, 1200, 0, error="timeout"),  # not answered: out of both sums
         rec(a, 2, 0.9, 1300, 0),  # previous turn not answered: 0
+        rec(d, 0, 1.0, 900, 0),
+        rec(e, 0, 1.1, 950, 0),
+        rec(f, 0, 1.2, 990, 0),  # 863 // 32 * 32 = 832
     ]
     ceiling, prompt = run_ceiling({"seed": 35, "records": records}, cfg)
-    assert prompt == 900 + 950 + 990 + 1000 + 1500 + 1300
-    assert ceiling == 416 + 896
+    assert prompt == 900 + 950 + 990 + 1000 + 1500 + 1300 + 900 + 950 + 990
+    assert ceiling == 416 + 896 + 832
     # a run that reached it: every cached token the ceiling allows
     reached = [dict(r) for r in records]
     reached[2]["cached_tokens"] = 416
     reached[3]["cached_tokens"] = 896
+    reached[-1]["cached_tokens"] = 832
     doc = {
         "config": {"requests": 60},
         "runs": [
