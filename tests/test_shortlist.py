@@ -8,6 +8,7 @@ contents in both groups and a lower tier, random prompts -- several decisions in
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -374,3 +375,24 @@ def test_the_suite_catches_a_load_change_that_bypasses_touch() -> None:
     rep.touch()
     again = pool.decide(other, {})
     assert again.decision.chosen.key != first.decision.chosen.key
+
+
+@pytest.mark.parametrize("churn_order", [False, True])
+def test_a_moved_replica_is_filed_once_in_each_order(churn_order: bool) -> None:
+    """Re-putting a replica moves it: no stale place is left in the load order nor, with a
+    band, in the churn order (a stale place would stand for a load it no longer has)."""
+    book = LoadBook(churn_order=churn_order)
+    w = DecayingSum(30.0)
+    book.put(("a", 0), 100.0)
+    book.put(("b", 0), 50.0)
+    book.put(("a", 0), 10.0)
+    w.add(500.0, 1.0)
+    book.put(("b", 0), 50.0, w)  # a write alone moves it in the churn order
+    book.put(("b", 0), 60.0, w)
+    assert [(q, hi - lo) for q, lo, hi in book.runs()] == [(10.0, 1), (60.0, 1)]
+    assert [book.key_at(i) for i in range(2)] == [("a", 0), ("b", 0)]
+    expected = [(-math.inf, 10.0, ("a", 0)), (w.order_key(), 60.0, ("b", 0))]
+    assert list(book.by_churn()) == (expected if churn_order else [])
+    book.discard(("a", 0))
+    assert book.keys() == [("b", 0)] and [q for q, _, _ in book.runs()] == [60.0]
+    assert len(book.by_churn()) == (1 if churn_order else 0)

@@ -97,28 +97,36 @@ class LoadBook:
         """Add or move ``key`` (``queued`` must be finite: the caller keeps the rest out)."""
         if not math.isfinite(queued):
             raise ValueError(f"queued must be finite to be ordered, got {queued!r} for {key}")
-        if not self.churn_order:
-            churn = None
-        order = churn.order_key() if churn is not None else -math.inf
         old = self._at.get(key)
+        if self.churn_order:
+            self._file_churn(key, old, queued, churn)
+        if old == queued:
+            return
         if old is not None:
-            old_order = self._churn[key][0]
-            if old == queued and old_order == order:
-                self._churn[key] = (order, churn)
-                return
             self._sorted.remove((old, key))
-            self._by_churn.remove((old_order, old, key))
         self._sorted.add((queued, key))
-        self._by_churn.add((order, queued, key))
         self._at[key] = queued
+
+    def _file_churn(
+        self, key: ReplicaKey, old: float | None, queued: float, churn: DecayingSum | None
+    ) -> None:
+        """Keep ``key``'s place in the churn order (``old``: its ``queued`` before the put)."""
+        order = churn.order_key() if churn is not None else -math.inf
+        prev = self._churn.get(key)
         self._churn[key] = (order, churn)
+        if prev is not None:
+            if prev[0] == order and old == queued:
+                return
+            self._by_churn.remove((prev[0], old, key))
+        self._by_churn.add((order, queued, key))
 
     def discard(self, key: ReplicaKey) -> None:
         old = self._at.pop(key, None)
         if old is not None:
             self._sorted.remove((old, key))
-            order, _ = self._churn.pop(key)
-            self._by_churn.remove((order, old, key))
+            if self.churn_order:
+                order, _ = self._churn.pop(key)
+                self._by_churn.remove((order, old, key))
 
     def keys(self) -> list[ReplicaKey]:
         return list(self._at)
