@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Sequence
+from itertools import takewhile
 from typing import Any
 
 from bench.real_vllm.load_plan import PlanConfig, make_plan
@@ -81,10 +82,6 @@ def run_losses(run: dict[str, Any], plan_cfg: PlanConfig) -> dict[str, Any]:
     return dict(c)
 
 
-def _words(text: str) -> list[str]:
-    return text.split()
-
-
 def run_ceiling(run: dict[str, Any], plan_cfg: PlanConfig) -> tuple[int, int]:
     """``(ceiling, prompt)`` tokens of one run: the most any router could have had cached,
     and the run's prompt tokens (the denominator of its reuse, the answered requests).
@@ -115,22 +112,16 @@ def run_ceiling(run: dict[str, Any], plan_cfg: PlanConfig) -> tuple[int, int]:
                 ceiling += (prev["prompt_tokens"] - 1) // BLOCK * BLOCK
             continue
         seen = earlier.setdefault(s.system, [])
-        mine = _words(s.user_messages[0])
+        mine = s.user_messages[0].split()
         if len(seen) >= 2:
-            common = max(_common(mine, other) for other in seen)
-            shared = 2 + len(_words(plan.system_prompts[s.system])) + common
+            common = max(
+                sum(1 for _ in takewhile(lambda p: p[0] == p[1], zip(mine, other, strict=False)))
+                for other in seen
+            )  # the leading user words in common
+            shared = 2 + len(plan.system_prompts[s.system].split()) + common
             ceiling += min(shared, (r.get("prompt_tokens") or 1) - 1) // BLOCK * BLOCK
         seen.append(mine)
     return ceiling, prompt
-
-
-def _common(a: Sequence[str], b: Sequence[str]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def ceiling_table(doc: dict[str, Any], order: Sequence[str]) -> str:

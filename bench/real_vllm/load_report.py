@@ -288,13 +288,12 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     before it, so a round's runs still pair by (seed, repeat) and rounds never collide; the
     first round's config is kept, with every round's command."""
     runs: list[dict[str, Any]] = []
-    top: dict[tuple[str, int], int] = {}
+    top = 0
     for doc in docs:
-        offset = dict(top)
+        shift = top
         for run in doc.get("runs") or []:
-            key = (run["policy"], run["seed"])
-            run = {**run, "repeat": run["repeat"] + max(offset.values(), default=0)}
-            top[key] = max(top.get(key, 0), run["repeat"])
+            run = {**run, "repeat": run["repeat"] + shift}
+            top = max(top, run["repeat"])
             runs.append(run)
     cfg = dict((docs[0].get("config") or {}) if docs else {})
     cfg["command"] = " ; ".join((d.get("config") or {}).get("command", "?") for d in docs)
