@@ -9,7 +9,15 @@ one event batch per step) on a **simulated clock** whose step times come from
 ``--event-delay`` simulated seconds), ``router.core.predict.Predictor`` computes every replica's
 hit, and ``router.core.policy`` chooses, with the service's candidate terms (router in-flight
 count, pending prefill, running/waiting/KV usage read from the replica as a fresh
-``/metrics`` scrape would).
+``/metrics`` scrape would, the prefix homes of routed requests (router.core.affinity) and each
+replica's cache pressure (router.core.pressure) on the simulated clock).
+
+A policy may carry its own PolicyConfig fields, as in bench/real_vllm/load.py:
+``--policies kv,kv:affinity_weight=0`` compares the shipped prefix homes with none. Token-valued
+fields are in the simulator's tokens: with the default scaling (a 512-token trace block becomes
+32 tokens) a credit or a queue term weighs 16 times what it would on real prompts, and a
+64-token home chunk covers two trace blocks. ``--block-tokens 512`` replays the trace at its
+real size, where the fields mean what they mean in production.
 
 Bounds: ``oracle`` runs the ``kv`` cost model on each pool's true state at decision time
 (``pool.find_hit``); ``infinite`` is the reuse of the trace itself with unlimited capacity on
@@ -69,9 +77,11 @@ from gpu_emitter.workload import (  # noqa: E402
     trace_reuse_bound,
 )
 from router.config import PolicyConfig  # noqa: E402
+from router.core.affinity import PrefixHomes  # noqa: E402
 from router.core.index import KVIndex  # noqa: E402
 from router.core.policy import Candidate, make_policy  # noqa: E402
 from router.core.predict import Predictor  # noqa: E402
+from router.core.pressure import DecayingSum  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 POLICIES = ("kv", "prefix_group_blind", "least_load", "round_robin")
@@ -276,7 +286,9 @@ class Sim:
         self.index = KVIndex(layout)
         self.keys = [self.index.add_replica(f"r{i}") for i in range(cfg.replicas)]
         self.predictor = Predictor(self.index)
-        pname = "kv" if cfg.policy == ORACLE else cfg.policy
+        pname, own = policy_spec(cfg.policy)
+        self.oracle = pname == ORACLE
+        pname = "kv" if self.oracle else pname
         weight = cfg.lookahead_weight
         if "@" in pname:  # "kv@0.5": the kv policy with lookahead_weight 0.5 (sweeps)
             pname, w = pname.split("@", 1)
@@ -284,8 +296,21 @@ class Sim:
         extra: dict[str, float] = dict(cfg.policy_options)
         if weight is not None:
             extra["lookahead_weight"] = weight
+        extra.update(own)  # the policy's own fields win over the matrix-wide ones
+        for f in ("affinity_chunk_tokens", "affinity_capacity"):  # int fields
+            if f in extra:
+                extra[f] = int(extra[f])  # type: ignore[assignment]
         pc = PolicyConfig(name=pname, seed=cfg.seed, **extra)  # type: ignore[arg-type]
         self.policy = make_policy(pc, random.Random(cfg.seed))
+        # The service's routing state beside the index (router.server.state): prefix homes
+        # for the kv policy (router.core.affinity) and each replica's cache pressure
+        # (router.core.pressure), both on the simulated clock.
+        self.homes = (
+            PrefixHomes(pc.affinity_chunk_tokens, pc.affinity_capacity)
+            if pname == "kv" and pc.affinity_weight > 0
+            else None
+        )
+        self.written = [DecayingSum(pc.pressure_half_life_s) for _ in range(cfg.replicas)]
         self.in_flight = [0] * cfg.replicas
         self.pending = [0] * cfg.replicas
         self.done: list[_Req] = []
@@ -314,7 +339,10 @@ class Sim:
     def _route(self, req: _Req, now: float, pin: int | None = None) -> int:
         t0 = time.perf_counter()
         cands = []
-        if self.cfg.policy == ORACLE:
+        homes = self.homes
+        home_keys = homes.keys(req.tokens) if homes is not None else []
+        homed = homes.homed(home_keys) if homes is not None else {}
+        if self.oracle:
             # Perfect information: the kv cost model on every pool's true state now.
             hits = []
             for rep in self.replicas:
@@ -339,11 +367,15 @@ class Sim:
                     running=len(rep.running),
                     waiting=len(rep.waiting),
                     kv_usage=rep.pool.usage,
+                    recent_new_tokens=self.written[i].value(now),
+                    home_tokens=homed.get(self.keys[i], 0),
                 )
             )
         if pin is None:
             decision = self.policy.choose(len(req.tokens), cands, commit=True)
             i = self.keys.index(decision.chosen.key)
+            if homes is not None:  # a routing fact: pinned set-up traffic homes nothing
+                homes.record(home_keys, self.keys[i])
         else:
             i = pin
         self.decide_s += time.perf_counter() - t0
@@ -395,6 +427,8 @@ class Sim:
         req.pending = max(0, len(req.tokens) - req.predicted)
         self.in_flight[i] += 1
         self.pending[i] += req.pending
+        if req.pending > 0:
+            self.written[i].add(req.pending, now)
         self.replicas[i].submit(req, now)
         return req
 
@@ -474,6 +508,38 @@ def policy_option(text: str) -> tuple[str, float]:
         return name, float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: VALUE must be a number") from None
+
+
+def policy_spec(text: str) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """``POLICY[:FIELD=VALUE,...]``, as bench/real_vllm/load.py takes it: the policy and
+    PolicyConfig fields for its runs only (the whole string labels them), so one matrix can
+    hold ``kv`` and ``kv:affinity_weight=0`` side by side."""
+    name, sep, rest = text.partition(":")
+    if not sep:
+        return name, ()
+    try:
+        return name, tuple(policy_option(kv) for kv in rest.split(","))
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"policy {text!r}: {e}") from None
+
+
+def split_policies(text: str) -> list[str]:
+    """``--policies``: comma-separated specs, where a comma followed by ``FIELD=VALUE`` (no
+    policy name holds ``=``) continues the previous spec: ``kv,kv:affinity_weight=8,
+    affinity_max_tokens=8192,oracle`` is three policies. Each spec is checked here, so a
+    typo fails before any run starts."""
+    out: list[str] = []
+    for piece in text.split(","):
+        if "=" in piece and ":" not in piece and out:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    for spec in out:
+        name = policy_spec(spec)[0].split("@", 1)[0]
+        known = (*POLICIES, ORACLE)
+        if name not in known:
+            raise ValueError(f"unknown policy {name!r} in {spec!r}; known: {', '.join(known)}")
+    return out
 
 
 def add_policy_option_arg(ap: argparse.ArgumentParser) -> None:
@@ -599,7 +665,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--synthetic", type=int, metavar="N", help="a synthetic trace of N requests")
     ap.add_argument("--layouts", default="fa,fa_swa")
     ap.add_argument("--replicas", default="4,16")
-    ap.add_argument("--policies", default=",".join((*POLICIES, ORACLE)))
+    ap.add_argument(
+        "--policies",
+        default=",".join((*POLICIES, ORACLE)),
+        help="comma-separated; a policy may carry its own PolicyConfig fields, e.g. "
+        "kv,kv:affinity_weight=0,kv:affinity_weight=8,affinity_max_tokens=8192",
+    )
     ap.add_argument("--seeds", type=int, help="seeds per configuration (default 5, quick 3)")
     ap.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token block")
     ap.add_argument("--session-stride", type=int, help="keep 1 conversation in S (quick: 10)")
@@ -625,7 +696,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = args.seeds or (3 if args.quick else 5)
     layouts = args.layouts.split(",")
     counts = [int(x) for x in args.replicas.split(",")]
-    policies = args.policies.split(",")
+    try:
+        policies = split_policies(args.policies)
+    except ValueError as e:
+        ap.error(str(e))
     jobs = []
     bounds: dict[str, float] = {}
     for n in counts:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -159,3 +160,79 @@ def test_policy_options_reach_the_policy_and_bad_ones_are_named() -> None:
         Scaling(block_tokens=32),
     )  # fmt: skip
     assert sim.policy.cfg.per_request_tokens == 300.0
+
+
+def _shared_prefix_pair() -> list[ScaledRequest]:
+    """Two requests over one 512-token prefix (16 blocks), the second sent 1 ms after the
+    first. Run with events 1 s late, so the router has heard nothing of the first."""
+    prefix = tuple(range(1, 17))
+    return [_req(0, 0.0, (*prefix, 100), 544), _req(1, 0.001, (*prefix, 101), 544)]
+
+
+@pytest.mark.parametrize(("weight", "together"), [(2.0, True), (0.0, False)])
+def test_prefix_homes_keep_a_family_together_before_any_event(
+    weight: float, together: bool
+) -> None:
+    # By hand, for the second request (hits 0 everywhere): on the first one's replica
+    # queued = 544 pending + 256 per request = 800 and the home credit is min(2048, 2 x 512),
+    # so its cost is 544 + 800 - 1024 = 320 against 544 on the idle replica. Without homes
+    # it is 1344 against 544: the family splits.
+    cfg = SimConfig(
+        layout="fa",
+        replicas=2,
+        policy=f"kv:affinity_weight={weight:g}",
+        num_blocks=256,
+        event_delay_s=1.0,
+    )
+    sim = Sim(cfg, Scaling())
+    sim.run(_shared_prefix_pair())
+    where = {r.src.index: r.replica for r in sim.done}
+    assert (where[0] == where[1]) is together
+    assert sim.policy.cfg.affinity_weight == weight
+    assert (sim.homes is not None) is (weight > 0)
+
+
+def test_pinned_requests_home_nothing() -> None:
+    # Set-up traffic pinned to a replica is not a routing decision (routing_scenarios.py):
+    # had the pinned first request homed its prefix on replica 1, the second would follow it
+    # there (the case above); unhomed, the idle replica 0 wins on its queue.
+    cfg = SimConfig(layout="fa", replicas=2, policy="kv", num_blocks=256, event_delay_s=1.0)
+    sim = Sim(cfg, Scaling())
+    first, second = _shared_prefix_pair()
+    a = sim.submit(first, replica=1)
+    b = sim.submit(second)
+    assert (a.replica, b.replica) == (1, 0)
+    assert sim.homes is not None
+    assert {sim.keys[0]} == set(sim.homes.homed(sim.homes.keys(b.tokens)))  # only b homed
+
+
+def test_cache_pressure_reaches_the_policy_on_the_simulated_clock() -> None:
+    # Unrelated one-block prompts 10 s apart (each done long before the next): hits and
+    # queues are equal, so only recent_new_tokens (half-life 30 s) tells the replicas
+    # apart, and it always points away from the one that took the last request.
+    reqs = [_req(i, 10.0 * i, (1000 + i,), 32) for i in range(8)]
+    cfg = SimConfig(layout="fa", replicas=2, policy="kv:pressure_weight=1", num_blocks=64)
+    sim = Sim(cfg, Scaling())
+    sim.run(reqs)
+    order = [r.replica for r in sorted(sim.done, key=lambda r: r.src.index)]
+    assert all(a != b for a, b in itertools.pairwise(order)), order
+
+
+def test_policies_carry_their_own_fields_and_bad_ones_fail_before_any_run() -> None:
+    from bench.routing_sim import split_policies
+
+    got = split_policies("kv,kv:affinity_weight=8,affinity_max_tokens=8192,oracle,kv@0.5")
+    assert got == ["kv", "kv:affinity_weight=8,affinity_max_tokens=8192", "oracle", "kv@0.5"]
+    sim = Sim(
+        SimConfig(layout="fa", replicas=2, policy=got[1],
+                  policy_options=(("affinity_weight", 3.0), ("per_request_tokens", 300.0))),
+        Scaling(),
+    )  # fmt: skip
+    assert sim.policy.cfg.affinity_weight == 8.0  # the policy's own field wins
+    assert sim.policy.cfg.affinity_max_tokens == 8192.0
+    assert sim.policy.cfg.per_request_tokens == 300.0  # the matrix-wide one still applies
+    oracle = Sim(SimConfig(layout="fa", replicas=2, policy="oracle:affinity_weight=0"), Scaling())
+    assert oracle.oracle and oracle.homes is None
+    for bad, msg in (("kv,kvx", "unknown policy 'kvx'"), ("kv:nope=1", "FIELD=VALUE")):
+        with pytest.raises(ValueError, match=msg):
+            split_policies(bad)
