@@ -70,6 +70,7 @@ from gpu_emitter.tokenizer import NUM_WORDS, WORD_OFFSET  # noqa: E402
 from gpu_emitter.workload import (  # noqa: E402
     ScaledRequest,
     Scaling,
+    agent_trace,
     default_trace_path,
     load_trace,
     scale_trace,
@@ -460,6 +461,7 @@ class Sim:
             "queue_mean_s": statistics.fmean(queue) if queue else 0.0,
             "queue_p90_s": _pct(queue, 90),
             "load_imbalance": max(per_prefill) / mean_prefill,
+            "requests_imbalance": max(per_req) / (statistics.fmean(per_req) or 1.0),
             "requests_per_replica": per_req,
             "preemptions": sum(rep.preemptions for rep in self.replicas),
             "err_now_mismatches": self.err_now_mismatch,
@@ -488,9 +490,17 @@ def _pct(xs: Sequence[float], p: float) -> float:
 
 
 def workload(
-    trace_path: str | None, scaling: Scaling, synthetic: int | None = None
+    trace_path: str | None,
+    scaling: Scaling,
+    synthetic: int | None = None,
+    agent: int | None = None,
+    seed: int = 0,
 ) -> list[ScaledRequest]:
-    """The scaled requests of one run (the Mooncake trace unless ``synthetic`` is given)."""
+    """The scaled requests of one run: the Mooncake trace, or ``synthetic`` requests like it,
+    or ``agent`` requests that all share one prefix (:func:`gpu_emitter.workload.agent_trace`,
+    sampled by ``seed``, at the trace's 3.4 requests/s before the time scale)."""
+    if agent:
+        return scale_trace(agent_trace(agent, seed=seed, rate_per_s=3.4), scaling)
     if synthetic:
         return scale_trace(synthetic_trace(synthetic, seed=scaling.session_offset), scaling)
     return scale_trace(load_trace(trace_path or default_trace_path()), scaling)
@@ -554,18 +564,22 @@ def add_policy_option_arg(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def run_one(job: tuple[SimConfig, Scaling, str | None, int | None]) -> dict[str, Any]:
-    cfg, scaling, trace_path, synthetic = job
-    reqs = workload(trace_path, scaling, synthetic)
+def run_one(job: tuple[SimConfig, Scaling, str | None, int | None, int | None]) -> dict[str, Any]:
+    cfg, scaling, trace_path, synthetic, agent = job
+    reqs = workload(trace_path, scaling, synthetic, agent, cfg.seed)
     out = Sim(cfg, scaling).run(reqs)
     out["scaling"] = asdict(scaling)
     return out
 
 
 def infinite_bound(
-    trace_path: str | None, scaling: Scaling, synthetic: int | None = None
+    trace_path: str | None,
+    scaling: Scaling,
+    synthetic: int | None = None,
+    agent: int | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    reqs = workload(trace_path, scaling, synthetic)
+    reqs = workload(trace_path, scaling, synthetic, agent, seed)
     cached, total = trace_reuse_bound(reqs, 16)
     return {"cached_tokens": cached, "prompt_tokens": total, "cached_share": cached / total}
 
@@ -585,6 +599,7 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "ttft_p99_s",
         "queue_mean_s",
         "load_imbalance",
+        "requests_imbalance",
         "err_now_mismatches",
         "err_admit_exact_ratio",
         "err_admit_mean_abs",
@@ -631,7 +646,8 @@ def table(agg: list[dict[str, Any]], bounds: dict[str, Any]) -> str:
     """A markdown table: one row per (layout, replicas, policy), means with spreads."""
     head = (
         "| layout | N | policy | cached % (min..max) | % of oracle | prefill Mtok | "
-        "TTFT p50 / p90 / p99 s | queue s | imbalance | pred exact now | exact at admit | "
+        "TTFT p50 / p90 / p99 s | queue s | imbalance prefill / requests | pred exact now | "
+        "exact at admit | "
         "blind over-pred mean / max | failed |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
@@ -642,12 +658,13 @@ def table(agg: list[dict[str, Any]], bounds: dict[str, Any]) -> str:
         o = oracle.get(key)
         rel = f"{100 * r['cached_share'] / o:.1f} %" if o else "-"
         now = "all" if r["err_now_mismatches_max"] == 0 else f"{r['err_now_mismatches']:.0f} off"
+        req_imb = f"{r['requests_imbalance']:.2f}" if "requests_imbalance" in r else "-"
         lines.append(
             f"| {r['layout']} | {r['replicas']} | {LABEL.get(r['policy'], r['policy'])} | "
             f"{100 * r['cached_share']:.2f} ({100 * r['cached_share_min']:.2f}.."
             f"{100 * r['cached_share_max']:.2f}) | {rel} | {r['prefill_tokens'] / 1e6:.2f} | "
             f"{r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f} / {r['ttft_p99_s']:.3f} | "
-            f"{r['queue_mean_s']:.3f} | {r['load_imbalance']:.2f} | {now} | "
+            f"{r['queue_mean_s']:.3f} | {r['load_imbalance']:.2f} / {req_imb} | {now} | "
             f"{100 * r['err_admit_exact_ratio']:.1f} % | "
             f"{r['blind_over_mean']:.1f} / {r['blind_over_max']:.0f} | {r['failed']:.0f} |"
         )
@@ -663,6 +680,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1/20 of the conversations, 3 seeds")
     ap.add_argument("--trace", help="Mooncake JSONL trace (default: the shared conversation one)")
     ap.add_argument("--synthetic", type=int, metavar="N", help="a synthetic trace of N requests")
+    ap.add_argument(
+        "--agent",
+        type=int,
+        metavar="N",
+        help="N requests that all share one 2,048-token prefix and then a short query of their "
+        "own (gpu_emitter.workload.agent_trace): where a prefix home pulls traffic hardest; "
+        "every request is kept (no session stride); use with --block-tokens 512",
+    )
     ap.add_argument("--layouts", default="fa,fa_swa")
     ap.add_argument("--replicas", default="4,16")
     ap.add_argument(
@@ -691,7 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
 
-    stride = args.session_stride or (20 if args.quick else 1)
+    stride = 1 if args.agent else args.session_stride or (20 if args.quick else 1)
     num_blocks = args.num_blocks or (1024 if args.quick else 4096)
     seeds = args.seeds or (3 if args.quick else 5)
     layouts = args.layouts.split(",")
@@ -725,12 +750,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         lookahead_weight=args.lookahead_weight,
                         policy_options=args.policy_option,
                     )
-                    jobs.append((cfg, scaling, args.trace, args.synthetic))
+                    jobs.append((cfg, scaling, args.trace, args.synthetic, args.agent))
     seen_scalings = {}
-    for _, sc, tp, syn in jobs:
-        key = (sc.session_offset, sc.block_tokens, sc.limit)
+    for c, sc, tp, syn, ag in jobs:
+        key = (c.seed if ag else sc.session_offset, sc.block_tokens, sc.limit)
         if key not in seen_scalings:
-            seen_scalings[key] = infinite_bound(tp, sc, syn)["cached_share"]
+            seen_scalings[key] = infinite_bound(tp, sc, syn, ag, c.seed)["cached_share"]
     bounds = (
         {f"sample {k[0]}": v for k, v in sorted(seen_scalings.items())}
         if len(seen_scalings) > 1
@@ -765,7 +790,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": "routing_sim",
         "machine": machine(),
         "command": "bench/routing_sim.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "trace": args.trace or ("synthetic" if args.synthetic else str(default_trace_path())),
+        "trace": args.trace
+        or (
+            "agent" if args.agent else "synthetic" if args.synthetic else str(default_trace_path())
+        ),
         "scaling": jobs[0][1].describe() + f"; {num_blocks} KV blocks per replica",
         "infinite_capacity_share": bounds,
         "note": args.note,

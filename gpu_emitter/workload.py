@@ -249,6 +249,33 @@ def synthetic_trace(n: int, *, seed: int = 0, rate_per_s: float = 4.0) -> list[T
     return out
 
 
+def agent_trace(
+    n: int,
+    *,
+    seed: int = 0,
+    rate_per_s: float = 4.0,
+    prefix_blocks: int = 4,
+    output_tokens: tuple[int, int] = (20, 200),
+) -> list[TraceRequest]:
+    """Every request one fleet-wide prefix of ``prefix_blocks`` trace blocks (an agent's
+    system prompt: 2,048 tokens by default) and then a short query of its own (1-511 tokens).
+    The case a prefix home is most at risk in: the prefix is cached on every replica, so hits
+    tie everywhere and only the home credit and the queue tell replicas apart
+    (router.core.affinity), while each request brings little prefill to queue."""
+    import random
+
+    rng = random.Random(seed)
+    shared = tuple(range(prefix_blocks))
+    out: list[TraceRequest] = []
+    t = 0.0
+    for i in range(n):
+        t += rng.expovariate(rate_per_s) * 1000.0
+        length = prefix_blocks * TRACE_BLOCK_TOKENS + rng.randint(1, TRACE_BLOCK_TOKENS - 1)
+        ids = (*shared, prefix_blocks + i)
+        out.append(TraceRequest(t, length, rng.randint(*output_tokens), ids))
+    return out
+
+
 def trace_reuse_bound(requests: Sequence[ScaledRequest], alignment: int) -> tuple[int, int]:
     """``(cached, prompt)`` tokens with infinite capacity on one replica, from the trace alone:
     a request reuses the longest prefix any earlier request had (whole trace blocks, then the

@@ -236,3 +236,38 @@ def test_policies_carry_their_own_fields_and_bad_ones_fail_before_any_run() -> N
     for bad, msg in (("kv,kvx", "unknown policy 'kvx'"), ("kv:nope=1", "FIELD=VALUE")):
         with pytest.raises(ValueError, match=msg):
             split_policies(bad)
+
+
+def test_agent_trace_shares_one_prefix_and_nothing_else() -> None:
+    from gpu_emitter.workload import TRACE_BLOCK_TOKENS, agent_trace
+
+    trace = agent_trace(50, seed=5, prefix_blocks=4)
+    assert [r.hash_ids[:4] for r in trace] == [(0, 1, 2, 3)] * 50
+    assert len({r.hash_ids[4] for r in trace}) == 50  # each query its own
+    assert all(4 * TRACE_BLOCK_TOKENS < r.input_length < 5 * TRACE_BLOCK_TOKENS for r in trace)
+    assert all(b.timestamp_ms > a.timestamp_ms for a, b in itertools.pairwise(trace))
+    assert agent_trace(50, seed=5) == trace and agent_trace(50, seed=6) != trace
+
+
+def test_the_agent_matrix_reports_how_unevenly_requests_land(tmp_path: Path) -> None:
+    import json
+
+    from bench.routing_sim import main
+
+    out = tmp_path / "agent.json"
+    argv = ["--agent", "24", "--block-tokens", "512", "--layouts", "fa", "--replicas", "2",
+            "--seeds", "1", "--jobs", "1", "--no-plots", "--out", str(out),
+            "--policies", "kv,round_robin"]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["trace"] == "agent"
+    for run in doc["runs"]:
+        per = run["requests_per_replica"]
+        assert sum(per) == 24
+        assert run["requests_imbalance"] == pytest.approx(max(per) / (sum(per) / 2))
+    agg = {r["policy"]: r for r in doc["aggregate"]}
+    assert agg["round_robin"]["requests_imbalance"] == 1.0  # 12 and 12
+    # The prefix is cached where the first request went; at this light load its exact hit
+    # and look-ahead (3 x 2,048 tokens) outweigh every queue: kv sends everything there.
+    assert agg["kv"]["requests_imbalance"] == 2.0
+    assert "imbalance prefill / requests" in doc["table_md"]
