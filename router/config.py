@@ -358,7 +358,10 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     never been, 2.7 later turns moved), where cache_aware stayed at 62.8 %. With the credit
     limited to the longest exact hits, a third round gave 62.1 % against cache_aware's 62.5 %
     (more in 4 of 6 pairs; bench/results/real_vllm_load_final.md). It costs ~22 us per
-    2,000-token decision (bench/decide_bench.py)."""
+    2,000-token decision (bench/decide_bench.py). Its price at fleet scale: where every request
+    shares one prefix, the busiest of 16 simulated replicas took 8.9 times its share of
+    requests at light load against 5.8 without homes, and 14.4 at weight 8 (bench/routing_sim.py
+    --agent, bench/results/routing_sim_homes.md)."""
     affinity_max_tokens: float = 2048.0
     """Bound on the affinity credit, in prefill tokens: the most queued work a home holds a
     request against. Without it one long prefix that every request shares (a fleet-wide agent
