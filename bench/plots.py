@@ -32,30 +32,49 @@ def _plt():
     return plt
 
 
-def plot_routing_sim(doc: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Cached-token share and TTFT p90 per policy, one panel per (layout, replicas), with the
-    seeds' min..max as error bars."""
+def _sim_order(policies: set[str]) -> list[str]:
+    """The known policies in their usual order, then variants with their own fields
+    (``kv:affinity_weight=0``, ``kv@0.5``) in the order they sort."""
+    return [p for p in _ORDER if p in policies] + sorted(policies - set(_ORDER))
+
+
+def _sim_label(policy: str) -> str:
+    return _NAMES.get(policy, policy.replace(",", ",\n"))
+
+
+def plot_routing_sim(doc: dict[str, Any], out_dir: Path, stem: str = "routing_sim") -> list[Path]:
+    """Cached-token share, TTFT p90 and (where the runs have it) the busiest replica's share
+    of requests per policy, one panel per (layout, replicas), with the seeds' min..max as
+    error bars; files ``<stem>_hit.png``, ``<stem>_ttft.png``, ``<stem>_imbalance.png``."""
     agg = doc.get("aggregate") or []
     if not agg:
         return []
     plt = _plt()
     panels = sorted({(r["layout"], r["replicas"]) for r in agg})
     out: list[Path] = []
-    for metric, ylabel, fname, scale in (
-        ("cached_share", "prompt tokens served from cache (%)", "routing_sim_hit.png", 100.0),
-        ("ttft_p90_s", "TTFT p90 (s, simulated)", "routing_sim_ttft.png", 1.0),
-    ):
+    metrics = [
+        ("cached_share", "prompt tokens served from cache (%)", "hit", 100.0),
+        ("ttft_p90_s", "TTFT p90 (s, simulated)", "ttft", 1.0),
+    ]
+    if all("requests_imbalance" in r for r in agg):
+        metrics.append(
+            ("requests_imbalance", "busiest replica's requests / mean", "imbalance", 1.0)
+        )
+    for metric, ylabel, suffix, scale in metrics:
         fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), squeeze=False)
         for ax, (layout, n) in zip(axes[0], panels, strict=True):
             rows = {r["policy"]: r for r in agg if r["layout"] == layout and r["replicas"] == n}
-            names = [p for p in _ORDER if p in rows]
+            names = _sim_order(set(rows))
             vals = [scale * rows[p][metric] for p in names]
             lo = [v - scale * rows[p][metric + "_min"] for v, p in zip(vals, names, strict=True)]
             hi = [scale * rows[p][metric + "_max"] - v for v, p in zip(vals, names, strict=True)]
-            colors = ["tab:green" if p == "kv" else "tab:gray" for p in names]
+            colors = [
+                "tab:green" if p == "kv" else "tab:olive" if p.startswith("kv") else "tab:gray"
+                for p in names
+            ]
             ax.bar(range(len(names)), vals, yerr=[lo, hi], color=colors, capsize=3)
             ax.set_xticks(range(len(names)))
-            ax.set_xticklabels([_NAMES.get(p, p) for p in names], rotation=35, ha="right")
+            ax.set_xticklabels([_sim_label(p) for p in names], rotation=35, ha="right", fontsize=7)
             ax.set_title(f"{layout}, {n} replicas", fontsize=9)
             if metric == "cached_share":
                 inf = doc.get("infinite_capacity_share") or {}
@@ -65,7 +84,7 @@ def plot_routing_sim(doc: dict[str, Any], out_dir: Path) -> list[Path]:
                     ax.legend(fontsize=7, loc="lower right")
         axes[0][0].set_ylabel(ylabel)
         fig.tight_layout()
-        path = out_dir / fname
+        path = out_dir / f"{stem}_{suffix}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         out.append(path)

@@ -809,7 +809,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_plots:
         from bench.plots import plot_routing_sim
 
-        for p in plot_routing_sim(doc, out.parent):
+        for p in plot_routing_sim(doc, out.parent, out.stem):
             print(f"wrote {p}")
     return 0
 

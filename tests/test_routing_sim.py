@@ -256,7 +256,7 @@ def test_the_agent_matrix_reports_how_unevenly_requests_land(tmp_path: Path) -> 
 
     out = tmp_path / "agent.json"
     argv = ["--agent", "24", "--block-tokens", "512", "--layouts", "fa", "--replicas", "2",
-            "--seeds", "1", "--jobs", "1", "--no-plots", "--out", str(out),
+            "--seeds", "1", "--jobs", "1", "--out", str(out),
             "--policies", "kv,round_robin"]  # fmt: skip
     assert main(argv) == 0
     doc = json.loads(out.read_text())
@@ -271,3 +271,6 @@ def test_the_agent_matrix_reports_how_unevenly_requests_land(tmp_path: Path) -> 
     # and look-ahead (3 x 2,048 tokens) outweigh every queue: kv sends everything there.
     assert agg["kv"]["requests_imbalance"] == 2.0
     assert "imbalance prefill / requests" in doc["table_md"]
+    # Plots are named after the JSON (not routing_sim_*.png, which bench/run_all.py's report uses)
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == ["agent_hit.png", "agent_imbalance.png", "agent_ttft.png"]
