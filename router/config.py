@@ -342,12 +342,6 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     62.6 %, losing more conversation histories to eviction: off. Ties within the band go to
     the replica whose cache turned over least lately, then the least queued
     (router.core.policy); router.core.shortlist decides banded requests exactly."""
-    cold_band_tokens: float = 0.0
-    """Cold placement (router.core.policy): for a request no replica holds any of and none is
-    home to (a new prefix family's first request, a one-off), queued work within this many
-    tokens of the least queued candidate counts as equal and the tie goes to the replica whose
-    cache turned over least lately, then the least queued; 0: off. Requests with a hit or a
-    home anywhere keep ``load_band_tokens``."""
     pressure_weight: float = 0.0
     """Cost per token of cache pressure (``recent_new_tokens``, router.core.pressure, which
     says why it is off by default: no gain measured on real vLLM at 0.05-0.25)."""
@@ -417,7 +411,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.pressure_half_life_s <= 0:
             raise ValueError("pressure_half_life_s must be > 0")
         for f in ("per_request_tokens", "waiting_request_tokens", "lookahead_weight",
-                  "pressure_weight", "load_band_tokens", "cold_band_tokens", "affinity_weight",
+                  "pressure_weight", "load_band_tokens", "affinity_weight",
                   "affinity_max_tokens"):  # fmt: skip
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0")

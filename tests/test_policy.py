@@ -264,35 +264,6 @@ def test_in_the_load_band_a_request_no_replica_holds_goes_where_the_cache_churns
     assert d.tied == 1 and d.chosen.key == ("b", 0)
 
 
-def test_cold_placement_sends_a_request_no_replica_holds_to_the_calmest_cache() -> None:
-    """``cold_band_tokens``: a new family or a one-off goes to the replica whose cache turned
-    over least lately, within the band; a request held or homed anywhere is ranked as before."""
-    cfg = PolicyConfig(cold_band_tokens=4096)
-    churned = Candidate(("a", 0), pending_prefill_tokens=300, recent_new_tokens=9000.0)
-    calm = Candidate(("b", 0), pending_prefill_tokens=3000, recent_new_tokens=1000.0)
-    for seed in range(10):
-        d = KVCostPolicy(cfg, rng=random.Random(seed)).choose(1000, [churned, calm])
-        assert d.tied == 2 and d.chosen.key == ("b", 0)
-    # without it (or beyond the band) the least queued takes it
-    assert KVCostPolicy(PolicyConfig()).choose(1000, [churned, calm]).chosen.key == ("a", 0)
-    far = Candidate(("b", 0), pending_prefill_tokens=4500, recent_new_tokens=1000.0)
-    assert KVCostPolicy(cfg).choose(1000, [churned, far]).chosen.key == ("a", 0)
-    # a full-attention prefix anywhere (even on another replica), a lower-tier hit or a home:
-    # not cold, the plain cost decides (a: 1000 + 300 against b: 1000 + 3000)
-    held = Candidate(("c", 0), fa_prefix_tokens=64, pending_prefill_tokens=90000)
-    tier = Candidate(("c", 0), tier_hits={"CPU": 64}, pending_prefill_tokens=90000)
-    home = Candidate(("c", 0), home_tokens=64, pending_prefill_tokens=90000)
-    for other in (held, tier, home):
-        d = KVCostPolicy(cfg).choose(1000, [churned, calm, other])
-        assert d.chosen.key == ("a", 0), other
-    # what an untrusted replica claims is no evidence: still cold
-    blind = Candidate(("c", 0), fa_prefix_tokens=64, trusted=False, pending_prefill_tokens=90000)
-    assert KVCostPolicy(cfg).choose(1000, [churned, calm, blind]).chosen.key == ("b", 0)
-    # a wider load band still applies to every request
-    wide = PolicyConfig(cold_band_tokens=100, load_band_tokens=4096)
-    assert KVCostPolicy(wide).choose(1000, [churned, calm]).chosen.key == ("b", 0)
-
-
 @given(unique_candidates, st.floats(0, 5000))
 def test_the_load_band_never_reorders_equal_hits_by_less_load(
     cands: list[Candidate], band: float

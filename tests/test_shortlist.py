@@ -45,7 +45,6 @@ def pure_case(draw: st.DrawFn) -> tuple:
         affinity_weight=draw(st.sampled_from([0.0, 2.0])),
         pressure_weight=draw(st.sampled_from([0.0, 0.5])),
         load_band_tokens=draw(st.sampled_from([0.0, 0.0, 300.0, 4096.0])),
-        cold_band_tokens=draw(st.sampled_from([0.0, 0.0, 500.0, 4096.0])),
     )
     keys = draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=60, unique=True))
     loads = st.sampled_from([0, 0, 0, 100, 256, 300])
@@ -98,7 +97,7 @@ def pure_case(draw: st.DrawFn) -> tuple:
 @given(pure_case())
 def test_choose_shortlist_equals_the_full_scan(case: tuple) -> None:
     cfg, explicit, members, churns, also, excluded, seed = case
-    book = LoadBook(churn_order=cfg.load_band_tokens > 0 or cfg.cold_band_tokens > 0)
+    book = LoadBook(churn_order=cfg.load_band_tokens > 0)
     for key, c in members.items():
         book.put(key, queued_tokens(c, cfg), churns[key])
     for key in also:
@@ -117,7 +116,7 @@ def test_choose_shortlist_equals_the_full_scan(case: tuple) -> None:
     fast = choose_shortlist(fast_policy, n, explicit, book, skip, now=NOW)
     if fast is None:
         # only the band's tie-break may decline: book replicas of equal churn (same sums)
-        assert cfg.load_band_tokens > 0 or cfg.cold_band_tokens > 0
+        assert cfg.load_band_tokens > 0
         assert fast_policy.rng.getstate() == random.Random(seed).getstate()  # nothing drawn
         return
     _same(fast, ref)
@@ -241,7 +240,6 @@ def pool_case(draw: st.DrawFn) -> dict:
             f"affinity_weight = {draw(st.sampled_from([0.0, 2.0]))}",
             f"per_request_tokens = {draw(st.sampled_from([0.0, 256.0]))}",
             f"load_band_tokens = {draw(st.sampled_from([0.0, 0.0, 300.0, 4096.0]))}",
-            f"cold_band_tokens = {draw(st.sampled_from([0.0, 0.0, 500.0, 4096.0]))}",
             "lower_tier_weights = {CPU = 0.5}",
         ]
     )

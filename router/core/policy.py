@@ -72,15 +72,6 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   requests it runs) stop deciding against a cached prefix, as vLLM router's ``cache_aware``
   ignores load below its imbalance thresholds.
 
-* **Cold placement.** A request no replica holds any of and none is home to (a new prefix
-  family's first request, a one-off) costs the same everywhere but for ``queued``, so the
-  least queued replica *at that moment* took it: under bursts a coin toss that decides where a
-  whole family lives and which cache a long one-off flushes. With ``cold_band_tokens = c >
-  0`` such a request is ranked with a load band of ``c`` (ties to the least churned, as in
-  the load band), so families and one-offs spread by how fast each cache has been turning
-  over, as vLLM router's ``cache_aware`` sends a prompt it matches nowhere to the worker with
-  the least routed text. Requests with a hit or a home anywhere are not affected.
-
 Candidates whose cost is within ``tie_tokens`` of the best are tied and one is picked with the
 injected RNG; with ``temperature > 0`` the choice is sampled from ``softmax(-cost / T)``. The
 decision ranks every candidate: the proxy fails over in that order.
@@ -112,7 +103,6 @@ __all__ = [
     "PrefixGroupBlindPolicy",
     "RoundRobinPolicy",
     "Scored",
-    "is_cold",
     "make_policy",
     "queued_tokens",
 ]
@@ -228,17 +218,6 @@ def queued_tokens(c: Candidate, cfg: PolicyConfig) -> float:
     return q
 
 
-def is_cold(candidates: Sequence[Candidate]) -> bool:
-    """Whether no replica holds any of the request nor is home to it (cold placement, module
-    docstring): no trusted exact hit, full-attention prefix or lower-tier hit anywhere, and
-    no home. A new prefix family's first request, or a one-off."""
-    return not any(
-        c.home_tokens
-        or (c.trusted and (c.hit_tokens or c.fa_prefix_tokens or any(c.tier_hits.values())))
-        for c in candidates
-    )
-
-
 def _cost(prefill: float, queued: float, ahead: float, pressure: float, affinity: float) -> float:
     """The kv cost from its terms, always in this order: scoring and the load band must
     produce the same float for the same terms (router.core.shortlist relies on it)."""
@@ -250,6 +229,8 @@ class _CostPolicy:
 
     name = "kv"
     needs_blind = False
+    banded = False
+    """Whether ``load_band_tokens`` applies (the kv policy's knob, not the comparisons')."""
 
     def __init__(self, cfg: PolicyConfig | None = None, rng: random.Random | None = None) -> None:
         self.cfg = cfg or PolicyConfig()
@@ -267,13 +248,9 @@ class _CostPolicy:
         rng.setstate(self.rng.getstate())
         return rng
 
-    def band_tokens(self, candidates: Sequence[Candidate]) -> float:
-        """The load band this request is ranked with (module docstring, load band and cold
-        placement); 0: none. The comparison policies have none."""
-        return 0.0
-
-    def _banded(self, scored: list[Scored], band: float) -> list[Scored]:
-        """Queued work within ``band`` of the least queued candidate counts as equal."""
+    def _banded(self, scored: list[Scored]) -> list[Scored]:
+        """``load_band_tokens``: queued work within the band of the least queued candidate
+        counts as equal (module docstring, load band). The comparison policies have none."""
         return scored
 
     def choose(
@@ -283,8 +260,7 @@ class _CostPolicy:
             raise NoCandidates(NO_CANDIDATES)
         rng = self.tie_rng(commit)
         plain = [self.score(num_tokens, c) for c in candidates]
-        band = self.band_tokens(candidates)
-        scored = sorted(self._banded(plain, band), key=lambda s: (s.cost, s.key))
+        scored = sorted(self._banded(plain), key=lambda s: (s.cost, s.key))
         best = scored[0].cost
         tie = self.cfg.tie_tokens
         n_tied = 1
@@ -294,7 +270,7 @@ class _CostPolicy:
         if temp > 0 and len(scored) > 1:
             weights = [math.exp(-(s.cost - best) / temp) for s in scored]
             pick = rng.choices(range(len(scored)), weights=weights)[0]
-        elif n_tied > 1 and band > 0:
+        elif n_tied > 1 and self.banded and self.cfg.load_band_tokens > 0:
             # The band made their queues equal for the cost, so nothing the cost sees tells
             # them apart (a request no replica holds, typically). Among the tied, the cache that
             # has turned over slowest lately goes first, then the least queued: what is cached
@@ -318,6 +294,7 @@ class KVCostPolicy(_CostPolicy):
     """The exact-hybrid-hit cost model with look-ahead (module docstring)."""
 
     name = "kv"
+    banded = True
 
     def choose(
         self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
@@ -355,27 +332,20 @@ class KVCostPolicy(_CostPolicy):
         cost = _cost(prefill, queued, ahead, pressure, affinity)
         return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure, affinity)
 
-    def band_tokens(self, candidates: Sequence[Candidate]) -> float:
-        cfg = self.cfg
-        if cfg.cold_band_tokens > cfg.load_band_tokens and is_cold(candidates):
-            return cfg.cold_band_tokens
-        return cfg.load_band_tokens
-
-    def band(self, s: Scored, floor: float, band: float) -> Scored:
-        """``s`` with its ``queued`` seen through a load band of ``band`` tokens above
-        ``floor`` (the least queued candidate's), the cost computed again from its terms
-        (:func:`_cost`, as :meth:`score_queued` does): every replica inside the band then costs
-        bit for bit the same as any other with the same terms, which router.core.shortlist
-        relies on."""
-        q = floor + max(0.0, s.queued - floor - band)
+    def band(self, s: Scored, floor: float) -> Scored:
+        """``s`` with its ``queued`` seen through the load band above ``floor`` (the least
+        queued candidate's), the cost computed again from its terms (:func:`_cost`, as
+        :meth:`score_queued` does): every replica inside the band then costs bit for bit the
+        same as any other with the same terms, which router.core.shortlist relies on."""
+        q = floor + max(0.0, s.queued - floor - self.cfg.load_band_tokens)
         cost = _cost(s.prefill, q, s.look_ahead, s.pressure, s.affinity)
         return dataclasses.replace(s, cost=cost, queued=q)
 
-    def _banded(self, scored: list[Scored], band: float) -> list[Scored]:
-        if band <= 0 or len(scored) < 2:
+    def _banded(self, scored: list[Scored]) -> list[Scored]:
+        if self.cfg.load_band_tokens <= 0 or len(scored) < 2:
             return scored
         floor = min(s.queued for s in scored)
-        return [self.band(s, floor, band) for s in scored]
+        return [self.band(s, floor) for s in scored]
 
 
 class PrefixGroupBlindPolicy(_CostPolicy):

@@ -23,8 +23,7 @@ pick is found by bisection, never by listing the run: 256 idle replicas tied cos
 and a few ``log n`` steps. The RNG is consumed exactly as the full scan does (one draw, same
 range), so a pool routes identically whichever path decided.
 
-With a load band (``load_band_tokens > 0``, or ``cold_band_tokens > 0`` for a request no
-explicit candidate holds or is home to, :func:`_choose_banded`) every ``queued`` is seen
+With a load band (``load_band_tokens > 0``, :func:`_choose_banded`) every ``queued`` is seen
 through the band above the least queued candidate's, recomputed from the cost's terms, so the
 book's replicas inside the band all cost the same float: the tied ones are a prefix of the
 book, found by bisection. Among several tied candidates the full scan takes the one whose cache
@@ -191,9 +190,7 @@ def choose_shortlist(
     explicit candidates' ``recent_new_tokens`` were read at). None: this cannot be decided
     exactly here (nothing consumed)."""
     cfg = policy.cfg
-    # the book's replicas hold none of the request and are home to none of it, so whether it
-    # is cold (its band, router.core.policy) is up to the explicit candidates
-    tie, band = cfg.tie_tokens, policy.band_tokens(explicit)
+    tie, band = cfg.tie_tokens, cfg.load_band_tokens
     if cfg.temperature > 0 or not (math.isfinite(tie) and tie >= 0 and math.isfinite(band)):
         return None
     weights = (
@@ -219,7 +216,7 @@ def choose_shortlist(
     if band > 0:
         if not book.churn_order:
             return None  # a book kept without churn cannot break the band's ties
-        return _choose_banded(policy, num_tokens, explicit, scored, book, skip, now, commit, band)
+        return _choose_banded(policy, num_tokens, explicit, scored, book, skip, now, commit)
     best = min((s.cost for s in scored), default=math.inf)
     skipped: dict[float, list[ReplicaKey]] = {}
     for k in set(skip):
@@ -335,10 +332,8 @@ def _choose_banded(
     skip: Collection[ReplicaKey],
     now: float,
     commit: bool,
-    band: float,
 ) -> Decision | None:
-    """:func:`choose_shortlist` with a load band of ``band`` tokens (router.core.policy, load
-    band and cold placement).
+    """:func:`choose_shortlist` with a load band (router.core.policy, load band).
 
     Every candidate's ``queued`` is seen through the band above the least queued one
     (:meth:`KVCostPolicy.band`), so the book's replicas inside the band all cost the same
@@ -355,11 +350,11 @@ def _choose_banded(
     if not queues:
         raise NoCandidates(NO_CANDIDATES)
     floor = min(queues)
-    banded = [policy.band(s, floor, band) for s in scored]
+    banded = [policy.band(s, floor) for s in scored]
 
     def member(q: float) -> Scored:
         """A book replica with ``queued == q``, as the full scan scores it (key unset)."""
-        return policy.band(policy.score_queued(num_tokens, _ANON, q), floor, band)
+        return policy.band(policy.score_queued(num_tokens, _ANON, q), floor)
 
     best = min((s.cost for s in banded), default=math.inf)
     if first is not None:

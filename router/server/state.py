@@ -301,9 +301,7 @@ class PoolState:
         self.tokenizer: RequestTokenizer = make_tokenizer(
             cfg.tokenizer, model=cfg.model, urls=self.live_urls
         )
-        self._book = LoadBook(
-            churn_order=cfg.policy.load_band_tokens > 0 or cfg.policy.cold_band_tokens > 0
-        )
+        self._book = LoadBook(churn_order=cfg.policy.load_band_tokens > 0)
         """Replicas the shortlist may stand for by load alone (:meth:`_refresh_book`)."""
         self._irregular: set[ReplicaKey] = set()
         """Replicas (and DP ranks) of the pool not in the book: always scored one by one."""
