@@ -112,6 +112,16 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_header_bytes: int = 1 << 16
     """Largest request line + headers a client may send (bytes); larger gets 431 and the
     connection is closed."""
+    keep_alive_s: float = 75.0
+    """How long an idle kept-alive client connection stays open after a response. Keep it above
+    the idle lifetime of every client pool and load balancer in front of the router: if the
+    router closes a connection the client still thinks reusable, a request written onto it as
+    it closes is lost with a connection error and never reaches the router (the client is told
+    nothing useful, the router counts nothing). uvicorn's 5 s equals httpx's (and the OpenAI
+    SDK's) 5 s pool expiry; with it one request of 1,350 in a benchmark round
+    (bench/real_vllm/load.py) ended in a ``ReadError`` with no response, this race's
+    signature. 75 s is nginx's default and above the common 60 s of cloud load balancers and
+    ingress-nginx's upstream pools. Each idle connection holds one descriptor."""
     max_attempts: int = 3
     """Replicas tried per request (failover happens only before the first response byte)."""
     metrics_scrape_interval_s: float = 1.0
@@ -141,7 +151,12 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"{f} must be >= 1024, got {getattr(self, f)}")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise ValueError("timeouts must be > 0 seconds")
-        for name in ("ttfb_timeout_s", "ttfb_timeout_nonstream_s", "header_timeout_s"):
+        for name in (
+            "ttfb_timeout_s",
+            "ttfb_timeout_nonstream_s",
+            "header_timeout_s",
+            "keep_alive_s",
+        ):
             value = getattr(self, name)
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value}")

@@ -93,6 +93,8 @@ def test_health_env_overrides_and_example_defaults(tmp_path: Path) -> None:
         ("[server]\nttfb_timeout_nonstream_s = nan\n" + MINIMAL, ["ttfb_timeout_nonstream_s"]),
         ("[server]\nheader_timeout_s = inf\n" + MINIMAL, ["header_timeout_s", "$.server"]),
         ("[server]\nheader_timeout_s = -1\n" + MINIMAL, ["header_timeout_s", "$.server"]),
+        ("[server]\nkeep_alive_s = 0\n" + MINIMAL, ["keep_alive_s", "> 0", "$.server"]),
+        ("[server]\nkeep_alive_s = inf\n" + MINIMAL, ["keep_alive_s", "$.server"]),
         ("[server]\nmax_header_bytes = 100\n" + MINIMAL, ["max_header_bytes", ">= 1024"]),
         ("[index]\nmax_block_size = -1\n" + MINIMAL, ["max_block_size", "$.index"]),
     ],

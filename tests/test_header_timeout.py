@@ -19,6 +19,8 @@ import pytest
 from fake_replica import MODEL
 from test_proxy import Cluster, words
 
+from router.config import ServerConfig
+
 HEADER_TIMEOUT = 1.5
 SLOW = 200
 EARLY = 0.01
@@ -110,6 +112,32 @@ def test_a_kept_alive_connection_gets_the_limit_for_each_request(cluster: Cluste
         s.sendall(b"GET /health HTTP/1.1\r\nhost: kvr")
         closed = wait_closed({s: t}, HEADER_TIMEOUT + 20)
         assert len(closed) == 1 and closed[s] >= HEADER_TIMEOUT - EARLY
+
+
+def get_health(s: socket.socket) -> None:
+    s.sendall(b"GET /health HTTP/1.1\r\nhost: kvrouter\r\n\r\n")
+    got = b""
+    while b"\r\n\r\n" not in got or not got.endswith(b"}"):
+        chunk = s.recv(4096)
+        assert chunk, "the router closed a kept-alive connection"
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200")
+
+
+def test_an_idle_kept_alive_connection_lives_keep_alive_s_then_closes() -> None:
+    """``server.keep_alive_s`` reaches uvicorn: the idle connection is reused, and closed
+    neither before the setting nor at uvicorn's own 5 s. (Its default, 75 s, is above client
+    pools' and load balancers' idle lifetimes, so they close first: router.config.)"""
+    keep = 1.0
+    assert ServerConfig().keep_alive_s > 60
+    with Cluster(keep_alive_s=keep) as c, connect(c) as s:
+        get_health(s)
+        get_health(s)  # the same connection, kept alive
+        t = time.monotonic()
+        closed = wait_closed({s: t}, keep + 20)
+        assert len(closed) == 1
+        assert keep - EARLY <= closed[s] < keep + 2.0, closed[s]
+        assert c.sample("kvrouter_header_refusals_total", reason="timeout") == 0
 
 
 def read_all(s: socket.socket) -> bytes:

@@ -154,5 +154,7 @@ def make_server(
         http=protocol,
         loop="auto",  # uvloop (a dependency) over plain asyncio
         proxy_headers=False,  # no X-Forwarded-* rewriting middleware on the hot path
+        # above the client pools' idle lifetime, so the client closes first (ServerConfig)
+        timeout_keep_alive=cfg.keep_alive_s,  # type: ignore[arg-type]  # a float works
     )
     return uvicorn.Server(config)
