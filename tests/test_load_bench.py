@@ -30,6 +30,7 @@ from bench.real_vllm.load_client import LoadRunner  # noqa: E402
 from bench.real_vllm.load_plan import CHAT_OVERHEAD, PlanConfig, make_plan  # noqa: E402
 from bench.real_vllm.load_report import (  # noqa: E402
     exactness,
+    exactness_by_load,
     paired,
     paired_base,
     paired_table,
@@ -213,6 +214,31 @@ def test_exactness_splits_misses_and_percentiles_are_nearest_rank() -> None:
     s = summarize_run(recs)
     assert s["reuse"] == pytest.approx(128 / 300)
     assert s["ttft_ms"]["mean"] == pytest.approx(100.0)
+
+
+def test_exactness_is_counted_per_band_of_requests_in_flight() -> None:
+    """Hand-counted: at 1 and 4 in flight the admission-time prediction is right, at 25 it
+    over-predicts once (what the queue ahead evicted) and an errored answer is not counted."""
+
+    def rec(in_flight: int, cached: int, pred: int, expected: int, error: str | None = None):
+        r = _record(cached, 100, 0.1, pred)
+        return {**r, "in_flight": in_flight, "expected_hit": expected, "error": error}
+
+    recs = [
+        rec(1, 0, 0, 0),
+        rec(4, 64, 32, 64),
+        rec(5, 64, 64, 64),
+        rec(25, 0, 64, 64),
+        rec(30, 32, 32, 32),
+        rec(4, 0, 64, 64, error="timeout"),
+    ]
+    md = exactness_by_load([{"policy": "kv", "records": recs}])
+    assert "| policy | prediction | 1-2 | 3-5 | 6-10 | 11-20 | 21+ |" in md
+    assert "| kv | events-only | 1/1 (100.0 %) | 1/2 (50.0 %) | – | – | 1/2 (50.0 %) |" in md
+    assert "| kv | admission-time | 1/1 (100.0 %) | 2/2 (100.0 %) | – | – | 1/2 (50.0 %) |" in md
+    # a router with no prediction headers (vllm-router) gets no row
+    bare = [{**r, "predicted_hit": None, "expected_hit": None} for r in recs]
+    assert "cache_aware" not in exactness_by_load([{"policy": "cache_aware", "records": bare}])
 
 
 def _run(policy: str, seed: int, repeat: int, reuse: float, ttft: float) -> dict:
