@@ -384,6 +384,15 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     length. On the load benchmark it binds on later turns only (first-turn credits stay below
     it), which their own hit holds: 62.1 % reuse with it against 62.3 % without, 6 runs each,
     within the spread."""
+    family_spread_tokens: float = 0.0
+    """Cost, in prefill tokens, of each prefix family already homed on a replica (a first
+    chunk that a second request carried, router.core.affinity), charged only to a request that
+    no candidate is home to: a new prefix goes to the replica hosting fewer families unless
+    its queue is longer by more than this per family of difference. Without it the first
+    request of each family is placed by the queue of that moment, for good: on two real vLLM
+    replicas (bench/real_vllm/load.py --rate 3) one run homed five of six families on one
+    replica. 0: off (the default until measured ahead). Needs prefix homes
+    (``affinity_weight > 0``); such requests are decided by the full scan, not the shortlist."""
     affinity_chunk_tokens: int = 64
     """Granularity of prefix homes: a chunk is homed once a request carried all of it."""
     affinity_capacity: int = 100_000
@@ -427,13 +436,21 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("pressure_half_life_s must be > 0")
         for f in ("per_request_tokens", "waiting_request_tokens", "lookahead_weight",
                   "pressure_weight", "load_band_tokens", "affinity_weight",
-                  "affinity_max_tokens"):  # fmt: skip
+                  "affinity_max_tokens", "family_spread_tokens"):  # fmt: skip
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if self.affinity_chunk_tokens < 1 or self.affinity_capacity < 1:
             raise ValueError("affinity_chunk_tokens and affinity_capacity must be >= 1")
+        if not math.isfinite(self.family_spread_tokens):
+            raise ValueError("family_spread_tokens must be a finite number of tokens (0: off)")
+        if self.family_spread_tokens > 0 and self.affinity_weight == 0:
+            raise ValueError(
+                "family_spread_tokens counts the families prefix homes keep, and "
+                "affinity_weight = 0 turns prefix homes off: set affinity_weight > 0 or "
+                "family_spread_tokens = 0"
+            )
         for tier, w in self.lower_tier_weights.items():
             if tier not in ("CPU", "STORAGE") or not 0 <= w <= 1:
                 raise ValueError(

@@ -68,6 +68,44 @@ def test_a_failed_over_request_takes_back_only_the_homes_it_made() -> None:
     assert homes.homed(homes.keys([1, 1, 2, 2, 3, 3])) == {A: 6}
 
 
+def test_a_first_chunk_a_second_request_carries_makes_a_family() -> None:
+    homes = PrefixHomes(chunk_tokens=2)
+    system = [9, 9, 8, 8]
+    homes.record(homes.keys([*system, 1, 1]), A)
+    homes.record(homes.keys([5, 5, 6, 6]), B)  # a one-off
+    assert homes.families_by_replica() == {}  # nothing carried twice yet
+    homes.record(homes.keys([*system, 2, 2]), B)  # the prompt's second conversation, sent to B
+    assert homes.families_by_replica() == {A: 1}  # the family is where its first chunk is
+    homes.record(homes.keys([*system, 3, 3]), A)
+    homes.record(homes.keys([9, 9]), A)  # a family counts once, however often carried
+    assert homes.families(A) == 1 and homes.families(B) == 0
+    homes.record(homes.keys([7]), B)  # shorter than a chunk: carries nothing
+    assert homes.families_by_replica() == {A: 1}
+    homes.record(homes.keys([5, 5]), A)  # the one-off's opening, carried again: a family on B
+    assert homes.families_by_replica() == {A: 1, B: 1}
+    assert homes.forget_replica(B) == 3
+    assert homes.families_by_replica() == {A: 1}
+    homes.record(homes.keys([5, 5]), A)  # homed afresh on A: a first carrier, not a family
+    assert homes.families_by_replica() == {A: 1}
+
+
+def test_a_family_leaves_with_its_first_chunk() -> None:
+    homes = PrefixHomes(chunk_tokens=2, capacity=3)
+    homes.record(homes.keys([1, 1]), A)
+    homes.record(homes.keys([1, 1, 2, 2]), A)  # a family on A
+    assert homes.families_by_replica() == {A: 1}
+    homes.record(homes.keys([3, 3, 4, 4]), B)  # over capacity: [1, 1] is the oldest
+    assert homes.families_by_replica() == {}
+    new = homes.record(homes.keys([3, 3]), A)  # a family on B; the home is B's, nothing new
+    assert new == [] and homes.families_by_replica() == {B: 1}
+    # a request that failed over withdraws the chunks it homed, a family's first among them
+    made = homes.record(homes.keys([6, 6]), B)
+    homes.record(homes.keys([6, 6]), B)
+    assert homes.families_by_replica() == {B: 2}
+    homes.withdraw(made, B)
+    assert homes.families_by_replica() == {B: 1}
+
+
 @pytest.mark.parametrize(("chunk", "capacity"), [(0, 10), (4, 0)])
 def test_bad_sizes_are_refused(chunk: int, capacity: int) -> None:
     with pytest.raises(ValueError, match="chunk_tokens >= 1 and capacity >= 1"):
@@ -91,17 +129,32 @@ class ReferenceHomes:
         self.homes: collections.OrderedDict[tuple[int, ...], tuple[str, int]] = (
             collections.OrderedDict()
         )
+        self.reused: set[tuple[int, ...]] = set()  # first chunks carried twice while homed
 
     def prefixes(self, toks: list[int]) -> list[tuple[int, ...]]:
         n = len(toks) // self.chunk
         return [tuple(toks[: (i + 1) * self.chunk]) for i in range(n)]
 
-    def record(self, toks: list[int], rep: tuple[str, int]) -> None:
-        for p in self.prefixes(toks):
+    def record(self, toks: list[int], rep: tuple[str, int]) -> list[tuple[int, ...]]:
+        ps = self.prefixes(toks)
+        if ps and ps[0] in self.homes:
+            self.reused.add(ps[0])
+        new = [p for p in ps if p not in self.homes]
+        for p in ps:
             self.homes.setdefault(p, rep)
             self.homes.move_to_end(p)
         while len(self.homes) > self.capacity:
-            self.homes.popitem(last=False)
+            self.reused.discard(self.homes.popitem(last=False)[0])
+        return new
+
+    def withdraw(self, new: list[tuple[int, ...]], rep: tuple[str, int]) -> None:
+        for p in new:
+            if self.homes.get(p) == rep:
+                del self.homes[p]
+                self.reused.discard(p)
+
+    def families(self) -> dict[tuple[str, int], int]:
+        return dict(collections.Counter(self.homes[p] for p in self.reused))
 
     def homed(self, toks: list[int]) -> dict[tuple[str, int], int]:
         out: dict[tuple[str, int], int] = {}
@@ -114,7 +167,7 @@ class ReferenceHomes:
 
 ops = st.lists(
     st.tuples(
-        st.booleans(),  # record (True) or ask
+        st.sampled_from(["record", "record", "ask", "withdraw", "forget"]),
         st.lists(st.integers(0, 2), max_size=14),  # a small alphabet: prefixes collide
         st.sampled_from([A, B, ("c", 1)]),
     ),
@@ -125,18 +178,31 @@ ops = st.lists(
 @settings(max_examples=300)
 @given(st.integers(1, 4), st.sampled_from([1, 2, 3, 5, 100_000]), ops)
 def test_prefix_homes_agree_with_whole_prefix_keys(chunk: int, capacity: int, steps: list) -> None:
-    """Homes, their walk and the per-replica counts, with evictions (one request evicting
-    several chunks at a small capacity) and without."""
+    """Homes, their walk, families and the per-replica counts, with evictions (one request
+    evicting several chunks at a small capacity) and without, failovers and forgotten
+    replicas."""
     homes, ref = PrefixHomes(chunk, capacity), ReferenceHomes(chunk, capacity)
-    for is_record, toks, rep in steps:
-        if is_record:
-            homes.record(homes.keys(toks), rep)
-            ref.record(toks, rep)
-        else:
+    last: tuple = ([], [], A)  # the last record's new chunks (both sides) and replica
+    for op, toks, rep in steps:
+        if op == "record":
+            last = (homes.record(homes.keys(toks), rep), ref.record(toks, rep), rep)
+            assert len(last[0]) == len(last[1])
+        elif op == "ask":
             got = homes.homed(homes.keys(toks))
             assert got == ref.homed(toks)
             assert sum(got.values()) <= len(toks)
+        elif op == "withdraw":  # the last request failed over
+            homes.withdraw(last[0], last[2])
+            ref.withdraw(last[1], last[2])
+            last = ([], [], A)
+        else:
+            gone = [p for p, r in ref.homes.items() if r == rep]
+            assert homes.forget_replica(rep) == len(gone)
+            for p in gone:
+                del ref.homes[p]
+                ref.reused.discard(p)
         assert homes.homes_by_replica() == dict(collections.Counter(ref.homes.values()))
+        assert homes.families_by_replica() == ref.families()
 
 
 token = st.one_of(
@@ -291,3 +357,61 @@ def test_more_home_never_costs_more(home: int, extra: int, queued: int) -> None:
     capped = KVCostPolicy(PolicyConfig(affinity_weight=1.5, affinity_max_tokens=3000.0))
     lo, hi = (capped.score(4000, cand("a", home=h, queued=queued)) for h in (home, home + extra))
     assert hi.cost <= lo.cost and lo.affinity <= 3000 and hi.affinity <= 3000
+
+
+def test_a_new_prefix_goes_where_fewer_families_live() -> None:
+    # two idle-ish replicas, no hit, no home: 'a' hosts three families and has 500 tokens less
+    # queued. cost = 1000 (prefill) + queued + 400 * families
+    cfg = PolicyConfig(affinity_weight=2.0, family_spread_tokens=400.0)
+    a = Candidate(("a", 0), pending_prefill_tokens=0, families=3)
+    b = Candidate(("b", 0), pending_prefill_tokens=500, families=1)
+    d = KVCostPolicy(cfg).choose(1000, [a, b])
+    assert d.chosen.key == ("b", 0)
+    assert d.chosen.cost == 1000 + 500 + 400 and d.ranked[1].cost == 1000 + 0 + 1200
+    assert d.chosen.as_dict()["spread"] == 400 and d.ranked[1].spread == 1200
+    # a queue gap beyond the families' difference (2 x 400) still decides
+    d = KVCostPolicy(cfg).choose(1000, [a, dataclasses.replace(b, pending_prefill_tokens=801)])
+    assert d.chosen.key == ("a", 0)
+    # off (the default): the queue decides at once
+    d = KVCostPolicy(PolicyConfig()).choose(1000, [a, b])
+    assert d.chosen.key == ("a", 0) and [s.spread for s in d.ranked] == [0, 0]
+
+
+def test_a_request_with_a_home_anywhere_pays_no_spread() -> None:
+    # a family's later request, homed on 'a' (which hosts more families): it must not be
+    # pushed off, and a replica that is not its home pays nothing either
+    cfg = PolicyConfig(affinity_weight=2.0, family_spread_tokens=400.0)
+    a = Candidate(("a", 0), hit_tokens=0, home_tokens=64, pending_prefill_tokens=100, families=5)
+    b = Candidate(("b", 0), families=1)
+    d = KVCostPolicy(cfg).choose(1000, [a, b])
+    assert d.chosen.key == ("a", 0)
+    assert [s.spread for s in d.ranked] == [0, 0]
+    assert d.chosen.cost == 1000 + 100 - 128
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3000)), min_size=2, max_size=6))
+def test_the_spread_only_ever_moves_a_new_prefix_toward_fewer_families(rows: list) -> None:
+    """Against the queue alone: where the choice differs, the replica it went to hosts fewer
+    families and has more queued, and the difference in queue is within the spread's."""
+    cands = [
+        Candidate((f"r{i}", 0), pending_prefill_tokens=q, families=f)
+        for i, (f, q) in enumerate(rows)
+    ]
+    with_spread = KVCostPolicy(PolicyConfig(affinity_weight=2.0, family_spread_tokens=300.0))
+    queue_only = KVCostPolicy(PolicyConfig(affinity_weight=2.0))
+    got = with_spread.choose(500, cands).chosen
+    plain = queue_only.choose(500, cands)
+    by_key = {c.key: c for c in cands}
+    g, p = by_key[got.key], by_key[plain.chosen.key]
+    if plain.tied == 1 and g.key != p.key:
+        assert g.families < p.families
+        gap = g.pending_prefill_tokens - p.pending_prefill_tokens
+        assert 0 <= gap <= 300 * (p.families - g.families)
+
+
+def test_the_config_refuses_a_spread_without_prefix_homes() -> None:
+    with pytest.raises(ValueError, match="affinity_weight > 0 or family_spread_tokens = 0"):
+        PolicyConfig(affinity_weight=0.0, family_spread_tokens=100.0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="family_spread_tokens"):
+            PolicyConfig(family_spread_tokens=bad)

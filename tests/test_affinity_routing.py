@@ -95,3 +95,43 @@ def test_a_request_that_fails_over_is_homed_where_it_went() -> None:
         assert (chunks(home), chunks(other)) == (5, 2)
     finally:
         c.close()
+
+
+def test_a_new_prefix_is_placed_away_from_the_replica_hosting_the_families() -> None:
+    """The family spread through the running router: families are counted where the router
+    homed them (the metric), and a prompt nobody sent before is charged for each family on a
+    replica (the explain's ``spread``), so it goes to the other one."""
+    spread = 4096.0  # far above any queue these sequential requests leave
+    policy = (
+        f"[pools.policy]\naffinity_weight = 1.0\naffinity_chunk_tokens = {CHUNK}\n"
+        f"family_spread_tokens = {spread}\n"
+    )
+    c = SimCluster(400, names=("a", "b"), extra_toml=policy)
+    try:
+        rng = random.Random(13)
+
+        def families(name: str) -> float | None:
+            return c.metric("kvrouter_prefix_families", dp_rank="0", pool=MODEL, replica=name)
+
+        system = words(rng, SYSTEM_WORDS)
+        home = c.route(f"{system} {words(rng, 40)}")
+        other = "b" if home == "a" else "a"
+        assert not families(home)  # carried once: not a family yet
+        assert c.route(f"{system} {words(rng, 40)}") == home  # its home keeps it
+        assert families(home) == 1 and not families(other)
+        out = c.explain(prompt=words(rng, 200))
+        rows = {row["replica"]: row for row in out["replicas"]}
+        assert rows[home]["score"]["spread"] == spread
+        assert rows[other]["score"]["spread"] == 0
+        assert out["chosen"]["replica"] == other
+        # a family member is homed: nobody pays the spread, the home keeps it
+        out = c.explain(prompt=f"{system} {words(rng, 40)}")
+        assert [row["score"]["spread"] for row in out["replicas"]] == [0, 0]
+        assert out["chosen"]["replica"] == home
+        # the second family's first request goes to the other replica
+        second = words(rng, SYSTEM_WORDS)
+        assert c.route(f"{second} {words(rng, 40)}") == other
+        assert c.route(f"{second} {words(rng, 40)}") == other
+        assert families(home) == families(other) == 1
+    finally:
+        c.close()

@@ -40,12 +40,15 @@ def _same(fast, ref) -> None:  # type: ignore[no-untyped-def]
 
 @st.composite
 def pure_case(draw: st.DrawFn) -> tuple:
+    affinity = draw(st.sampled_from([0.0, 2.0]))
     cfg = PolicyConfig(
         tie_tokens=draw(st.sampled_from([0.0, 0.5, 100.0])),
-        affinity_weight=draw(st.sampled_from([0.0, 2.0])),
+        affinity_weight=affinity,
         pressure_weight=draw(st.sampled_from([0.0, 0.5])),
         load_band_tokens=draw(st.sampled_from([0.0, 0.0, 300.0, 4096.0])),
+        family_spread_tokens=draw(st.sampled_from([0.0, 300.0])) if affinity else 0.0,
     )
+    families = st.sampled_from([0, 0, 1, 3])
     keys = draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=60, unique=True))
     loads = st.sampled_from([0, 0, 0, 100, 256, 300])
     n_explicit = draw(st.integers(0, min(6, len(keys))))
@@ -63,6 +66,7 @@ def pure_case(draw: st.DrawFn) -> tuple:
                 pending_prefill_tokens=draw(loads),
                 recent_new_tokens=draw(st.sampled_from([0.0, 0.0, 50.0])),
                 home_tokens=draw(st.sampled_from([0, 0, 64, 128])),
+                families=draw(families),
             )
         )
     book_members = {}
@@ -85,6 +89,7 @@ def pure_case(draw: st.DrawFn) -> tuple:
             in_flight=draw(st.integers(0, 1)),
             pending_prefill_tokens=draw(loads),
             recent_new_tokens=w.value(NOW) if w is not None else 0.0,
+            families=draw(families),
         )
     # the book may also hold explicit replicas (then skipped) and excluded ones
     also = [c.key for c in explicit if draw(st.booleans())]
@@ -110,13 +115,21 @@ def test_choose_shortlist_equals_the_full_scan(case: tuple) -> None:
     try:
         ref = ref_policy.choose(n, cands)
     except NoCandidates:
+        ref = None
+    # a new prefix under the family spread (every replica's families count) is declined
+    # before anything else is looked at; the full scan then decides it (or finds no candidate)
+    spread_declines = cfg.family_spread_tokens > 0 and not any(c.home_tokens for c in explicit)
+    if ref is None:
+        if spread_declines:
+            assert choose_shortlist(fast_policy, n, explicit, book, skip, now=NOW) is None
+            return
         with pytest.raises(NoCandidates):
             choose_shortlist(fast_policy, n, explicit, book, skip, now=NOW)
         return
     fast = choose_shortlist(fast_policy, n, explicit, book, skip, now=NOW)
     if fast is None:
-        # only the band's tie-break may decline: book replicas of equal churn (same sums)
-        assert cfg.load_band_tokens > 0
+        # only the band's tie-break (book replicas of equal churn: same sums) and the spread
+        assert cfg.load_band_tokens > 0 or spread_declines
         assert fast_policy.rng.getstate() == random.Random(seed).getstate()  # nothing drawn
         return
     _same(fast, ref)
@@ -232,12 +245,15 @@ def pool_case(draw: st.DrawFn) -> dict:
     n = draw(st.integers(1, 9))
     reps = [(f"r{i}", draw(st.sampled_from([1, 1, 2]))) for i in range(n)]
     swa = draw(st.booleans())
+    affinity = draw(st.sampled_from([0.0, 2.0]))
+    spread = draw(st.sampled_from([0.0, 300.0])) if affinity else 0.0
     cfg = "\n".join(
         [
             f"seed = {draw(st.integers(0, 1000))}",
             f"tie_tokens = {draw(st.sampled_from([0.0, 0.5, 200.0]))}",
             f"pressure_weight = {draw(st.sampled_from([0.0, 0.0, 0.5]))}",
-            f"affinity_weight = {draw(st.sampled_from([0.0, 2.0]))}",
+            f"affinity_weight = {affinity}",
+            f"family_spread_tokens = {spread}",
             f"per_request_tokens = {draw(st.sampled_from([0.0, 256.0]))}",
             f"load_band_tokens = {draw(st.sampled_from([0.0, 0.0, 300.0, 4096.0]))}",
             "lower_tier_weights = {CPU = 0.5}",
@@ -296,7 +312,8 @@ def test_pool_shortlist_equals_the_full_scan(case: dict) -> None:
         rep.touch()
     if pool.homes is not None:
         for tokens in prompts[:2]:
-            pool.homes.record(pool.homes.keys(tokens), rng.choice(keys))
+            for _ in range(rng.choice([1, 2])):  # carried twice: a family (its spread counts)
+                pool.homes.record(pool.homes.keys(tokens), rng.choice(keys))
     policy = pool.policy
     assert isinstance(policy, KVCostPolicy)
     took = 0

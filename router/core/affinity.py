@@ -16,6 +16,13 @@ home, later requests only refresh it. :meth:`PrefixHomes.homed` walks a new requ
 while its chunks have homes and counts, per replica, the tokens homed there: the policy's
 affinity credit (router.core.policy) then breaks the tie a split would otherwise be decided by.
 
+A *family* is a first chunk a second request carried while it was homed: a shared system
+prompt, or a conversation's opening (a one-off never becomes one). Its first request placed it
+wherever the load was lightest at that moment, and the family then stays there for good:
+:meth:`PrefixHomes.families` counts them per replica so that the policy can place a prefix no
+replica is home to away from the replica already hosting the most (``family_spread_tokens``,
+router.core.policy), instead of letting a passing queue stack five families on one replica.
+
 Bounded: at most ``capacity`` chunks, least recently routed first out. Pure: no I/O, no clock.
 """
 
@@ -69,7 +76,7 @@ _chunk_chain = _load_chunk_chain()
 class PrefixHomes:
     """Chunk-chain hash -> the replica that chunk was first routed to (LRU-bounded)."""
 
-    __slots__ = ("_counts", "_homes", "capacity", "chunk_tokens")
+    __slots__ = ("_counts", "_families", "_homes", "_reused", "capacity", "chunk_tokens")
 
     def __init__(self, chunk_tokens: int = 64, capacity: int = 100_000) -> None:
         if chunk_tokens < 1 or capacity < 1:
@@ -81,6 +88,9 @@ class PrefixHomes:
         self.capacity = capacity
         self._homes: OrderedDict[int, ReplicaKey] = OrderedDict()
         self._counts: dict[ReplicaKey, int] = {}
+        self._reused: set[int] = set()
+        """First chunks a second request carried while homed: the families."""
+        self._families: dict[ReplicaKey, int] = {}
 
     def __len__(self) -> int:
         return len(self._homes)
@@ -119,6 +129,12 @@ class PrefixHomes:
         """The request (its chunk ``keys``) was routed to ``replica``: its new chunks are homed
         there, the known ones refreshed. Returns the new chunks' keys (for :meth:`withdraw`)."""
         homes, counts = self._homes, self._counts
+        if keys:
+            root = keys[0]
+            at = homes.get(root)
+            if at is not None and root not in self._reused:
+                self._reused.add(root)
+                self._families[at] = self._families.get(at, 0) + 1
         new = []
         for h in keys:
             if h in homes:
@@ -133,8 +149,10 @@ class PrefixHomes:
             popitem = homes.popitem
             gone: dict[ReplicaKey, int] = {}
             for _ in range(excess):
-                old = popitem(last=False)[1]
+                h, old = popitem(last=False)
                 gone[old] = gone.get(old, 0) + 1
+                if h in self._reused:
+                    self._unfamily(h, old)
             for old, n in gone.items():
                 self._uncount(old, n)
         return new
@@ -148,6 +166,8 @@ class PrefixHomes:
             if homes.get(h) == replica:
                 del homes[h]
                 self._uncount(replica)
+                if h in self._reused:
+                    self._unfamily(h, replica)
 
     def _uncount(self, replica: ReplicaKey, n: int = 1) -> None:
         counts = self._counts
@@ -157,15 +177,34 @@ class PrefixHomes:
         else:
             del counts[replica]
 
+    def _unfamily(self, root: int, replica: ReplicaKey) -> None:
+        self._reused.discard(root)
+        left = self._families[replica] - 1
+        if left:
+            self._families[replica] = left
+        else:
+            del self._families[replica]
+
     def forget_replica(self, replica: ReplicaKey) -> int:
         """Drop every home on ``replica`` (removed, restarted or distrusted: its cache is not
         where its homes said). Returns how many went."""
         gone = [h for h, r in self._homes.items() if r == replica]
         for h in gone:
             del self._homes[h]
+            self._reused.discard(h)
         self._counts.pop(replica, None)
+        self._families.pop(replica, None)
         return len(gone)
 
     def homes_by_replica(self) -> dict[ReplicaKey, int]:
         """Chunks homed on each replica (for metrics; kept as routing goes, not counted)."""
         return dict(self._counts)
+
+    def families(self, replica: ReplicaKey) -> int:
+        """Families homed on ``replica`` (module docstring): what ``family_spread_tokens``
+        charges a new prefix there."""
+        return self._families.get(replica, 0)
+
+    def families_by_replica(self) -> dict[ReplicaKey, int]:
+        """Families homed on each replica (for metrics and the admin API)."""
+        return dict(self._families)

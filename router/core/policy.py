@@ -12,7 +12,8 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
     look_ahead    = lookahead_weight · fa_prefix_tokens
     pressure      = pressure_weight · recent_new_tokens
     affinity      = min(affinity_max_tokens, affinity_weight · home_tokens)
-    cost          = prefill + queued - look_ahead + pressure - affinity
+    spread        = family_spread_tokens · families     (only where no candidate is home)
+    cost          = prefill + queued - look_ahead + pressure - affinity + spread
 
 * ``hit`` is the exact hybrid hit vLLM will report (router.core.predict): the local hit plus
   what a shared store loads (``load_cost``: the loaded tokens at the tier's ``load_cost``, see
@@ -66,6 +67,14 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   ``affinity_max_tokens`` bounds the credit, so a prefix every request shares cannot hold all
   traffic on one replica. Measured in ``PolicyConfig.affinity_weight``'s docstring.
 
+* **Family spread.** ``families`` are the prefix families homed on the replica (first chunks a
+  second request carried, router.core.affinity). A request no candidate is home to is a new
+  prefix: a one-off, or the first request of what may become a family, which then stays where
+  this decision puts it. Charging each family already there keeps a passing queue from
+  stacking the families on one replica (and the prefill and eviction they bring with them);
+  a request with a home anywhere pays nothing, so a family's later requests are not pushed
+  off it. Off by default (``family_spread_tokens = 0``); ``PolicyConfig`` has the measurements.
+
 * **Load band.** With ``load_band_tokens = b > 0`` a candidate's ``queued`` counts only
   beyond ``b`` tokens more than the least queued candidate's: small, fleeting differences in
   queued work (a burst's in-flight counts change every few milliseconds, and vLLM batches the
@@ -104,6 +113,7 @@ __all__ = [
     "RoundRobinPolicy",
     "Scored",
     "make_policy",
+    "placement_terms",
     "queued_tokens",
 ]
 
@@ -141,6 +151,8 @@ class Candidate:
     """Cache pressure: uncached tokens sent lately (router.core.pressure)."""
     home_tokens: int = 0
     """Leading prompt tokens whose prefix the router first sent here (router.core.affinity)."""
+    families: int = 0
+    """Prefix families homed here (``PrefixHomes.families``): the family spread's count."""
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
@@ -159,6 +171,7 @@ class Scored:
     look_ahead: float
     pressure: float = 0.0
     affinity: float = 0.0
+    spread: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -172,6 +185,7 @@ class Scored:
             "look_ahead": self.look_ahead,
             "pressure": self.pressure,
             "affinity": self.affinity,
+            "spread": self.spread,
         }
 
 
@@ -218,10 +232,36 @@ def queued_tokens(c: Candidate, cfg: PolicyConfig) -> float:
     return q
 
 
-def _cost(prefill: float, queued: float, ahead: float, pressure: float, affinity: float) -> float:
+def _cost(
+    prefill: float, queued: float, ahead: float, pressure: float, affinity: float, spread: float
+) -> float:
     """The kv cost from its terms, always in this order: scoring and the load band must
     produce the same float for the same terms (router.core.shortlist relies on it)."""
-    return prefill + queued - ahead + pressure - affinity
+    return prefill + queued - ahead + pressure - affinity + spread
+
+
+def placement_terms(cfg: PolicyConfig, candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+    """The candidates as the kv cost sees them: a home whose exact hit is shorter than
+    another trusted replica's gets no affinity credit, and ``families`` count only for a
+    request no candidate is home to (module docstring: affinity, family spread). Shared by
+    the full scan and router.core.shortlist, so both score the same terms."""
+    best = max((c.hit_tokens for c in candidates if c.trusted), default=0)
+    homed = any(c.home_tokens for c in candidates)
+    drop_families = homed and cfg.family_spread_tokens > 0
+    if not (
+        (homed and any(c.home_tokens and c.hit_tokens < best for c in candidates))
+        or (drop_families and any(c.families for c in candidates))
+    ):
+        return candidates
+    out = []
+    for c in candidates:
+        changes: dict[str, int] = {}
+        if c.home_tokens and c.hit_tokens < best:
+            changes["home_tokens"] = 0
+        if drop_families and c.families:
+            changes["families"] = 0
+        out.append(dataclasses.replace(c, **changes) if changes else c)
+    return out
 
 
 class _CostPolicy:
@@ -299,15 +339,7 @@ class KVCostPolicy(_CostPolicy):
     def choose(
         self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
     ) -> Decision:
-        # Affinity breaks ties among the replicas with the longest exact hit (against load);
-        # a home whose hit is shorter than another replica's gets no credit (module docstring)
-        best = max((c.hit_tokens for c in candidates if c.trusted), default=0)
-        if any(c.home_tokens and c.hit_tokens < best for c in candidates):
-            candidates = [
-                dataclasses.replace(c, home_tokens=0) if c.hit_tokens < best else c
-                for c in candidates
-            ]
-        return super().choose(num_tokens, candidates, commit=commit)
+        return super().choose(num_tokens, placement_terms(self.cfg, candidates), commit=commit)
 
     def score(self, num_tokens: int, c: Candidate) -> Scored:
         return self.score_queued(num_tokens, c, queued_tokens(c, self.cfg))
@@ -329,8 +361,9 @@ class KVCostPolicy(_CostPolicy):
             hit, eff, ahead, affinity = 0, 0.0, 0.0, 0.0
         prefill = max(0.0, num_tokens - eff)
         pressure = cfg.pressure_weight * c.recent_new_tokens
-        cost = _cost(prefill, queued, ahead, pressure, affinity)
-        return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure, affinity)
+        spread = cfg.family_spread_tokens * c.families
+        cost = _cost(prefill, queued, ahead, pressure, affinity, spread)
+        return Scored(c.key, cost, hit, eff, prefill, queued, ahead, pressure, affinity, spread)
 
     def band(self, s: Scored, floor: float) -> Scored:
         """``s`` with its ``queued`` seen through the load band above ``floor`` (the least
@@ -338,7 +371,7 @@ class KVCostPolicy(_CostPolicy):
         :meth:`score_queued` does): every replica inside the band then costs bit for bit the
         same as any other with the same terms, which router.core.shortlist relies on."""
         q = floor + max(0.0, s.queued - floor - self.cfg.load_band_tokens)
-        cost = _cost(s.prefill, q, s.look_ahead, s.pressure, s.affinity)
+        cost = _cost(s.prefill, q, s.look_ahead, s.pressure, s.affinity, s.spread)
         return dataclasses.replace(s, cost=cost, queued=q)
 
     def _banded(self, scored: list[Scored]) -> list[Scored]:

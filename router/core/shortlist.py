@@ -35,8 +35,10 @@ equals; the book keeps its replicas in that order too (by
 :func:`choose_shortlist` declines (returns None, before touching the RNG) where this does not
 hold: softmax sampling (``temperature > 0``), non-finite weights, costs or band, and, with a
 band, churn sums too close to order without reading them all (equal histories, values that
-underflowed, or more than :data:`_WALK_LIMIT` least churned replicas outside the tie). The
-caller then runs the full scan. Pure: no I/O; the clock is passed in.
+underflowed, or more than :data:`_WALK_LIMIT` least churned replicas outside the tie), and a
+request no candidate is home to while the family spread is on (``family_spread_tokens``: every
+replica's families then enter its cost, and the book does not keep them). The caller then
+runs the full scan. Pure: no I/O; the clock is passed in.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from router.core.policy import (
     KVCostPolicy,
     NoCandidates,
     Scored,
+    placement_terms,
 )
 from router.core.pressure import ORDER_KEY_SLACK, DecayingSum
 
@@ -198,18 +201,16 @@ def choose_shortlist(
         cfg.affinity_weight,
         cfg.affinity_max_tokens,
         cfg.pressure_weight,
+        cfg.family_spread_tokens,
         *cfg.lower_tier_weights.values(),
     )
     if not all(math.isfinite(w) for w in weights):
         return None
-    # KVCostPolicy.choose's affinity rule; the book's candidates have hit 0, which never
-    # raises the best trusted hit
-    best_hit = max((c.hit_tokens for c in explicit if c.trusted), default=0)
-    if any(c.home_tokens and c.hit_tokens < best_hit for c in explicit):
-        explicit = [
-            dataclasses.replace(c, home_tokens=0) if c.hit_tokens < best_hit else c
-            for c in explicit
-        ]
+    if cfg.family_spread_tokens > 0 and not any(c.home_tokens for c in explicit):
+        return None  # a new prefix: every replica's families count, the book has none
+    # KVCostPolicy.choose's rules (placement_terms); the book's candidates have hit 0, which
+    # never raises the best trusted hit, and no home
+    explicit = placement_terms(cfg, explicit)
     scored = [policy.score(num_tokens, c) for c in explicit]
     if any(math.isnan(s.cost) for s in scored):
         return None

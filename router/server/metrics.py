@@ -94,6 +94,12 @@ class _StateCollector(Collector):
             " by policy.affinity_capacity), by home replica",
             labels=["pool", "replica", "dp_rank"],
         )
+        families = GaugeMetricFamily(
+            "kvrouter_prefix_families",
+            "Prefix families homed on each replica: first chunks a second request carried"
+            " (router.core.affinity; what policy.family_spread_tokens charges a new prefix)",
+            labels=["pool", "replica", "dp_rank"],
+        )
         rank = ["pool", "replica", "dp_rank"]
         events = CounterMetricFamily(
             "kvrouter_events", "KV events received, by type", labels=[*rank, "type"]
@@ -169,6 +175,8 @@ class _StateCollector(Collector):
             nbytes.add_metric([name], pool["bytes"])
             for (rname, rk), n in (pool.get("prefix_homes") or {}).items():
                 homes.add_metric([name, rname, str(rk)], n)
+            for (rname, rk), n in (pool.get("prefix_families") or {}).items():
+                families.add_metric([name, rname, str(rk)], n)
             lay = pool.get("layout")
             if lay is not None:
                 for st in LAYOUT_STATUSES:
@@ -224,7 +232,7 @@ class _StateCollector(Collector):
                     "malformed",
                 ):
                     gaps.add_metric([*rep, kind], getattr(st, kind))
-        yield from (entries, nbytes, memo_steps, memo_capacity, homes)
+        yield from (entries, nbytes, memo_steps, memo_capacity, homes, families)
         yield from (wipes, sweep_steps, sweep_passes, swept, dead)
         yield from (events, outcomes, lag, gaps)
         yield from (trusted, trust_state, ingest, layout_status, layout_views, layout_held)

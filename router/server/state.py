@@ -599,7 +599,8 @@ class PoolState:
             for r in rep.ranks:
                 key = (rep.name, r)
                 if key not in exclude:
-                    out.append(_candidate(rep, r, hits.get(key), homed.get(key, 0), now))
+                    fam = self.homes.families(key) if self.homes is not None else 0
+                    out.append(_candidate(rep, r, hits.get(key), homed.get(key, 0), now, fam))
         return out
 
     # ----------------------------------------------------- the shortlist path
@@ -675,7 +676,8 @@ class PoolState:
             h = held.get(key)
             if h is None:
                 h = reported[key] = self.predictor.absent_hit(short, key)
-            explicit.append(_candidate(rep, key[1], h, homed.get(key, 0), now))
+            fam = self.homes.families(key) if self.homes is not None else 0
+            explicit.append(_candidate(rep, key[1], h, homed.get(key, 0), now, fam))
         rng_before = policy.rng.getstate() if self.check_shortlist else None
         decision = choose_shortlist(policy, len(token_ids), explicit, book, skipped, now=now)
         if decision is None:
@@ -864,7 +866,12 @@ async def _start_times(replicas: list[ReplicaConfig], router: RouterState) -> di
 
 
 def _candidate(
-    rep: ReplicaState, r: int, h: ReplicaHit | None, home_tokens: int, now: float
+    rep: ReplicaState,
+    r: int,
+    h: ReplicaHit | None,
+    home_tokens: int,
+    now: float,
+    families: int = 0,
 ) -> Candidate:
     """What the policy knows about ``rep``'s rank ``r`` for one request (``h``: its hit)."""
     res = h.result if h is not None else None
@@ -883,6 +890,7 @@ def _candidate(
         pending_prefill_tokens=rep.pending_prefill.get(r, 0),
         recent_new_tokens=w.value(now) if (w := rep.written.get(r)) else 0.0,
         home_tokens=home_tokens,
+        families=families,
         running=None if others is None else mine + others,
         waiting=_get(rep.others_waiting, r),
         kv_usage=_get(rep.kv_usage, r, avg=True),
@@ -929,6 +937,7 @@ class RouterState:
                 },
                 "hash_memo": (h.memo_stats if (h := p.index.hasher()) is not None else None),
                 "prefix_homes": p.homes.homes_by_replica() if p.homes is not None else None,
+                "prefix_families": (p.homes.families_by_replica() if p.homes is not None else None),
                 "replica_stats": p.index.stats(),
                 "layout": p.index.layout_state(),
                 "stream_stats": p.stream_stats(),
