@@ -162,6 +162,10 @@ class LoadBook:
     def churn(self, key: ReplicaKey) -> DecayingSum | None:
         return self._churn[key][1]
 
+    def churn_position(self, key: ReplicaKey) -> int:
+        """Where ``key`` is in :meth:`by_churn`'s order."""
+        return self._by_churn.bisect_left((self._churn[key][0], self._at[key], key))
+
 
 @dataclasses.dataclass(slots=True)
 class _Run:
@@ -397,8 +401,9 @@ def _choose_banded(
         _, g_q, g_lo, g_hi = group
         bc = book.by_churn()
         order = bc[g_lo][0]
-        if order == -math.inf:  # the never-written run: skipped members may sit inside it
-            in_group = sorted(k for k in skipped if book.queued(k) == g_q and book.churn(k) is None)
+        # skipped members may sit inside the group (the never-written run, or sums equal to
+        # the float: the same writes at the same times)
+        in_group = sorted(k for k in skipped if g_lo <= book.churn_position(k) < g_hi)
         g_count = g_hi - g_lo - len(in_group)
     n_light = len(ex_light) + g_count
     pick = policy.tie_rng(commit).randrange(n_light) if n_light > 1 else 0
@@ -489,4 +494,6 @@ def _lightest(
                 return None  # too close to tell apart by the order key alone
     if found is None:
         return None
-    return found[0], found[1], found[2], found[2] + 1
+    # members before the first eligible one with the same order key and queued (skipped ones:
+    # equal sums) belong to its group, where the caller takes them out
+    return found[0], found[1], bc.bisect_left((found[3], found[1])), found[2] + 1
