@@ -776,10 +776,12 @@ def test_oversize_message_is_dropped_and_seen_as_a_gap(mode: str) -> None:
 
 
 class PacedReplayProxy(GatedReplayProxy):
-    """A replay endpoint that fetches the upstream ring's whole answer, then relays it
-    ``per_tick`` replies every ``tick`` seconds: a replay that lasts long but is never
-    silent for more than a tick (the pace is the scenario, not a synchronisation). The
-    gate is not used."""
+    """A replay endpoint that relays the upstream ring's answer ``per_tick`` replies every
+    ``tick`` seconds, the first chunk as soon as it is in: a replay that lasts long but is
+    never silent for more than a tick (the pace is the scenario, not a synchronisation).
+    (Fetching the whole answer before the first chunk made the wait for it as long as the
+    fetch: on a loaded CI machine past the idle timeout, and the replay was given up.)
+    The gate is not used."""
 
     def __init__(self, upstream: str, per_tick: int, tick: float) -> None:
         self.per_tick, self.tick = per_tick, tick  # before the thread starts
@@ -795,17 +797,24 @@ class PacedReplayProxy(GatedReplayProxy):
                 back = self._ctx.socket(zmq.DEALER)
                 back.connect(self._upstream)
                 back.send_multipart([b"", seq8])
-                replies = []
-                while back.poll(5000):
-                    replies.append(back.recv_multipart())
-                    if SEQ.unpack(replies[-1][2])[0] == END_SEQ:
+                chunk: list[list[bytes]] = []
+                paused = False  # the first chunk goes as soon as it is in: no silence before it
+                while True:
+                    more = back.poll(5000)
+                    end = False
+                    if more:
+                        chunk.append(back.recv_multipart())
+                        end = SEQ.unpack(chunk[-1][2])[0] == END_SEQ
+                    if chunk and (len(chunk) == self.per_tick or end or not more):
+                        if paused and self._ctl_r.poll(int(self.tick * 1000)):
+                            back.close(0)
+                            return  # closed meanwhile
+                        for frames in chunk:
+                            self._front.send_multipart([ident, *frames])
+                        chunk, paused = [], True
+                    if end or not more:
                         break
                 back.close(0)
-                for i in range(0, len(replies), self.per_tick):
-                    if i and self._ctl_r.poll(int(self.tick * 1000)):
-                        return  # closed meanwhile
-                    for frames in replies[i : i + self.per_tick]:
-                        self._front.send_multipart([ident, *frames])
         finally:
             self._front.close(0)
             self._ctl_r.close(0)
