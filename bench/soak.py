@@ -996,7 +996,7 @@ def main(argv: list[str] | None = None) -> int:
     wall0 = time.monotonic()
     try:
         url, router, victim = start(args, procs, logdir)
-        doc = asyncio.run(drive(args, url, router.pid, procs, victim))
+        doc = procs.run_async(drive(args, url, router.pid, procs, victim))
     except KeyboardInterrupt:
         print("\nbench/soak.py: interrupted; stopping every process it started", flush=True)
         return 130

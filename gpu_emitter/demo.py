@@ -32,10 +32,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 __all__ = [
     "DemoError",
@@ -141,6 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- processes
 
 
+_T = TypeVar("_T")
+
+
 class Procs:
     """Every process the demo started, each in its own process group."""
 
@@ -148,6 +151,8 @@ class Procs:
         self.root = logdir
         self.logdir = logdir
         self.procs: list[tuple[str, subprocess.Popen[str], IO[str]]] = []
+        self._main: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
+        self._cancelled = False
 
     def start(self, name: str, argv: Sequence[str]) -> subprocess.Popen[str]:
         log = (self.logdir / f"{name}.log").open("w")
@@ -204,10 +209,40 @@ class Procs:
             watchdog = threading.Timer(20.0, _force_exit, args=(self,))
             watchdog.daemon = True
             watchdog.start()
+            if self._main is not None:  # inside run_async: unwind the loop's way
+                loop, task = self._main
+                self._cancelled = True
+                loop.call_soon_threadsafe(task.cancel)
+                return
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+
+    def run_async(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """``asyncio.run(coro)``, except that an interrupt cancels its task (every task it
+        awaits unwinds with it) and KeyboardInterrupt is raised once that is done. Raised by
+        the handler at whatever instruction the loop is at, KeyboardInterrupt can land in
+        asyncio's own bookkeeping and leave a task that never finishes, which the loop's
+        shutdown then waits for: bench/soak.py once sat out its 20 s watchdog that way in CI
+        and ended without saying it was interrupted."""
+
+        async def main() -> _T:
+            current = asyncio.current_task()
+            if current is None:  # pragma: no cover - asyncio.run always runs a task
+                raise RuntimeError("run_async needs a running task")
+            self._main = (asyncio.get_running_loop(), current)
+            try:
+                return await coro
+            finally:
+                self._main = None
+
+        try:
+            return asyncio.run(main())
+        except asyncio.CancelledError:
+            if self._cancelled:
+                raise KeyboardInterrupt from None
+            raise
 
 
 def _force_exit(procs: Procs) -> None:
@@ -612,7 +647,7 @@ def run_policy(
     wait_healthy(url, router, 60.0)
     live = Live(len(requests), [f"sim-{i}" for i in range(args.replicas)])
     t = time.monotonic()
-    outs = asyncio.run(_replay(url, requests, live, label, args.max_in_flight))
+    outs = procs.run_async(_replay(url, requests, live, label, args.max_in_flight))
     wall = time.monotonic() - t
     procs.stop_all()
     row = summarize(policy, outs, wall)

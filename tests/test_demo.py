@@ -116,3 +116,53 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
             kill_groups(out)  # never leave a demo's children behind for the next tests
     assert code == 130, (stdout[-2000:], stderr[-2000:])
     assert not [p for p in recorded_pids(out) if alive(p)]
+
+
+RUN_ASYNC_CHILD = """
+import asyncio, sys, tempfile
+from pathlib import Path
+from gpu_emitter.demo import Procs
+
+procs = Procs(Path(tempfile.mkdtemp()))
+procs.stop_on_signals()
+
+async def worker():
+    try:
+        await asyncio.sleep(60)
+    finally:
+        print("worker unwound", flush=True)
+
+async def main():
+    task = asyncio.create_task(worker())
+    print("ready", flush=True)
+    await task
+
+try:
+    procs.run_async(main())
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_an_interrupt_inside_run_async_unwinds_every_task() -> None:
+    """Ctrl-C during the load cancels the loop's main task instead of raising at an arbitrary
+    instruction: every task's ``finally`` runs, and the caller still sees KeyboardInterrupt."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUN_ASYNC_CHILD],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert out.split() == ["worker", "unwound", "interrupted"], (out, err)

@@ -88,7 +88,7 @@ def test_ctrl_c_after_the_restart_stops_every_process(tmp_path: Path) -> None:
             proc.wait()
         kill_groups(logs)  # never leave the soak's processes to the next tests
     assert proc.returncode == 130, (stdout[-2000:], stderr[-2000:])
-    assert "interrupted" in stdout
+    assert "interrupted" in stdout, (stdout[-2000:], stderr[-2000:])
     assert not (tmp_path / "soak.json").exists()  # no results from a run cut short
     assert len(recorded_pids(logs)) >= 5 and not left
 
