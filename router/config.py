@@ -360,30 +360,40 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pressure_weight: float = 0.0
     """Cost per token of cache pressure (``recent_new_tokens``, router.core.pressure, which
     says why it is off by default: no gain measured on real vLLM at 0.05-0.25)."""
-    affinity_weight: float = 2.0
+    affinity_weight: float = 8.0
     """Credit per prompt token whose prefix the router first sent to a replica (its home,
     router.core.affinity), among the replicas with the longest exact hit; 0 turns prefix homes
-    off. On two real vLLM replicas under concurrent load (bench/real_vllm/load.py, 3 seeds x 2
-    repeats, bench/results/real_vllm_load_affinity.md) 2.0 against 0 raised reuse in 6 of 6
-    paired runs (59.7 -> 62.3 %, +2.6 points; TTFT mean 221 -> 163 ms, lower in 5 of 6):
-    later turns moved off their conversation's replica fell from 6.2 to 0.8 per run, first
-    turns sent where their system prompt had never been from 9.0 to 6.5 (the floor is 6, each
-    family's first). 1.0 reached 62.0 % in that round but 60.6 % in the next
-    (bench/results/real_vllm_load_w1.md: 8.0 first turns per run sent where their prompt had
-    never been, 2.7 later turns moved), where cache_aware stayed at 62.8 %. With the credit
-    limited to the longest exact hits, a third round gave 62.1 % against cache_aware's 62.5 %
-    (more in 4 of 6 pairs; bench/results/real_vllm_load_final.md). It costs ~22 us per
-    2,000-token decision (bench/decide_bench.py). Its price at fleet scale: where every request
-    shares one prefix, the busiest of 16 simulated replicas took 8.9 times its share of
-    requests at light load against 5.8 without homes, and 14.4 at weight 8 (bench/routing_sim.py
-    --agent, bench/results/routing_sim_homes.md)."""
-    affinity_max_tokens: float = 2048.0
+    off. On two real vLLM replicas under concurrent load (bench/real_vllm/load.py, issue 17):
+    2.0 against 0 raised reuse in 6 of 6 paired runs (59.7 -> 62.3 %, TTFT mean 221 -> 163
+    ms; bench/results/real_vllm_load_affinity.md): later turns moved off their conversation's
+    replica fell from 6.2 to 0.8 per run, first turns sent where their system prompt had never
+    been from 9.0 to 6.5 (the floor is 6, each family's first). 8.0 (with
+    ``affinity_max_tokens = 8192``) against 2.0 at ``--rate 3``, 3 seeds x 3 repeats
+    (bench/results/real_vllm_load_rate3.md): 62.8 against 61.9 % reuse, more in 8 of 9 pairs,
+    lower TTFT mean and p90 in 7 of 9 each; level with vllm-router's ``cache_aware`` there and
+    in the next round (bench/results/real_vllm_load_spread.md: 62.9 against 62.7 %), ahead of
+    it on three fresh seeds (bench/results/real_vllm_load_fresh456.md, 3 seeds x 2 repeats:
+    62.7 against 61.4 %, more in 5 of 6 pairs, per seed +1.5 / +0.4 / +2.0). 1.0 and 4.0
+    were measured too (README, issue 17). It costs ~22 us per 2,000-token decision
+    (bench/decide_bench.py). At fleet scale homes concentrate a prefix every request shares
+    on its home: ``affinity_fair_share`` bounds that."""
+    affinity_max_tokens: float = 8192.0
     """Bound on the affinity credit, in prefill tokens: the most queued work a home holds a
     request against. Without it one long prefix that every request shares (a fleet-wide agent
-    prompt) would pull all traffic to its home until the queue there outweighed twice its
-    length. On the load benchmark it binds on later turns only (first-turn credits stay below
-    it), which their own hit holds: 62.1 % reuse with it against 62.3 % without, 6 runs each,
-    within the spread."""
+    prompt) would pull all traffic to its home until the queue there outweighed
+    ``affinity_weight`` times its length. At 2048 (with weight 2) it bound on later turns only,
+    which their own hit holds: 62.1 % reuse with it against 62.3 % without, 6 runs each."""
+    affinity_fair_share: float = 2.0
+    """A home keeps its credit only while it has at most this many times the candidates' mean
+    number of requests (``router.core.policy.request_load``, the mean counted as at least one);
+    beyond it hit, look-ahead and queue decide as without homes. 0: no bound. With two
+    replicas 2 or more never binds (a replica holds at most twice the mean), so the real vLLM
+    rounds above measure it too. Where every request shares one prefix on 16 simulated
+    replicas (bench/routing_sim.py --agent, bench/results/routing_sim_fair_share.md) it took
+    the busiest replica's share of requests from 14.4 to 5.8 times the mean at light load
+    (the same as without homes) and from 2.8 to 2.0 at 8x the rate, with the lowest p99 TTFT
+    of the kv variants there; on the scaled Mooncake trace it keeps homes x8's reuse (23.1 /
+    33.9 % at 4 / 16 replicas) at a higher p99 than weight 2 had."""
     family_spread_tokens: float = 0.0
     """Cost, in prefill tokens, of each prefix family already homed on a replica (a first
     chunk that a second request carried, router.core.affinity), charged only to a request that
@@ -438,13 +448,18 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("pressure_half_life_s must be > 0")
         for f in ("per_request_tokens", "waiting_request_tokens", "lookahead_weight",
                   "pressure_weight", "load_band_tokens", "affinity_weight",
-                  "affinity_max_tokens", "family_spread_tokens"):  # fmt: skip
+                  "affinity_max_tokens", "affinity_fair_share",
+                  "family_spread_tokens"):  # fmt: skip
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if self.affinity_chunk_tokens < 1 or self.affinity_capacity < 1:
             raise ValueError("affinity_chunk_tokens and affinity_capacity must be >= 1")
+        if not math.isfinite(self.affinity_fair_share):
+            raise ValueError(
+                "affinity_fair_share must be a finite multiple of the mean load (0: no bound)"
+            )
         if not math.isfinite(self.family_spread_tokens):
             raise ValueError("family_spread_tokens must be a finite number of tokens (0: off)")
         if self.family_spread_tokens > 0 and self.affinity_weight == 0:

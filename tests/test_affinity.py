@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +15,7 @@ from events.hashing import native_chain
 from router.config import PolicyConfig
 from router.core import affinity
 from router.core.affinity import PrefixHomes
-from router.core.policy import Candidate, KVCostPolicy
+from router.core.policy import Candidate, KVCostPolicy, placement_terms, request_load
 
 A, B = ("a", 0), ("b", 0)
 
@@ -357,6 +358,79 @@ def test_more_home_never_costs_more(home: int, extra: int, queued: int) -> None:
     capped = KVCostPolicy(PolicyConfig(affinity_weight=1.5, affinity_max_tokens=3000.0))
     lo, hi = (capped.score(4000, cand("a", home=h, queued=queued)) for h in (home, home + extra))
     assert hi.cost <= lo.cost and lo.affinity <= 3000 and hi.affinity <= 3000
+
+
+HOMES_X8 = {"affinity_weight": 8.0, "affinity_max_tokens": 8192.0}
+
+
+def _fleet(loads: list[int], home: str = "r0") -> list[Candidate]:
+    """A 600-token system prompt cached on every replica (hits and look-ahead tie), homed on
+    ``home``; replica ``ri`` has ``loads[i]`` requests in flight."""
+    return [
+        Candidate((f"r{i}", 0), hit_tokens=600, fa_prefix_tokens=600, in_flight=n,
+                  home_tokens=576 if f"r{i}" == home else 0)
+        for i, n in enumerate(loads)
+    ]  # fmt: skip
+
+
+def test_a_home_past_twice_its_fair_share_loses_its_credit() -> None:
+    policy = KVCostPolicy(PolicyConfig(**HOMES_X8, affinity_fair_share=2.0, seed=0))
+    # four replicas, eight requests in flight in all: the mean is 2, the home holds four of
+    # them (= 2 x the mean, not above): the credit stands and outbids its 1,024-token queue
+    d = policy.choose(1000, _fleet([4, 2, 1, 1]))
+    assert d.chosen.key == ("r0", 0) and d.chosen.affinity == 8 * 576
+    # five of nine (5 x 4 > 2 x 9): no credit; the least loaded replica with the same hit
+    d = policy.choose(1000, _fleet([5, 2, 1, 1]))
+    assert d.chosen.key in {("r2", 0), ("r3", 0)}
+    assert all(s.affinity == 0 for s in d.ranked)
+    assert d.chosen.cost == 400 + 256 - 2 * 600  # prefill + one request queued - look-ahead
+    # off: the credit holds the home through the same crowd
+    off = KVCostPolicy(PolicyConfig(**HOMES_X8, affinity_fair_share=0.0))
+    assert off.choose(1000, _fleet([5, 2, 1, 1])).chosen.key == ("r0", 0)
+    # below one request per replica the mean counts as one: a quiet fleet's home holds two
+    assert policy.choose(1000, _fleet([2, 0, 0, 0])).chosen.key == ("r0", 0)
+    assert all(s.affinity == 0 for s in policy.choose(1000, _fleet([3, 0, 0, 0])).ranked)
+    # the bound counts vLLM's waiting requests, and its running ones where they exceed the
+    # router's own (another client's): one in flight and two waiting are three requests
+    crowd = _fleet([1, 0, 0, 0])
+    assert policy.choose(1000, crowd).chosen.key == ("r0", 0)
+    crowd[0] = dataclasses.replace(crowd[0], waiting=2)
+    assert all(s.affinity == 0 for s in policy.choose(1000, crowd).ranked)
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.none() | st.integers(0, 40),
+                       st.none() | st.integers(0, 40)), min_size=1, max_size=2),
+    st.floats(2.0, 64.0),
+)  # fmt: skip
+def test_with_two_replicas_a_fair_share_of_two_or_more_never_binds(
+    loads: list[tuple[int, int | None, int | None]], fair: float
+) -> None:
+    # a replica's load is at most the sum of both, which is 2 x the mean: the bound only
+    # matters in a larger fleet, and the two-replica benchmark runs exactly as without it
+    cands = [
+        Candidate((f"r{i}", 0), hit_tokens=64, in_flight=f, running=r, waiting=w,
+                  home_tokens=64)
+        for i, (f, r, w) in enumerate(loads)
+    ]  # fmt: skip
+    cfg = PolicyConfig(**HOMES_X8, affinity_fair_share=fair)
+    assert [c.home_tokens for c in placement_terms(cfg, cands)] == [64] * len(cands)
+
+
+def test_a_scraped_count_becomes_whole_requests() -> None:
+    c = Candidate(("a", 0), in_flight=2)
+    assert request_load(c) == 2
+    assert request_load(dataclasses.replace(c, running=5, waiting=1)) == 6
+    assert request_load(dataclasses.replace(c, running=1, waiting=0)) == 2  # router's own
+    # a hostile or broken /metrics: NaN counts nothing, inf and 1e300 are capped, never raise
+    nan = dataclasses.replace(c, running=math.nan, waiting=math.nan)  # type: ignore[arg-type]
+    assert request_load(nan) == 2
+    big = dataclasses.replace(c, running=math.inf, waiting=1e300)  # type: ignore[arg-type]
+    assert request_load(big) == 2 * (1 << 40)
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="affinity_fair_share"):
+            PolicyConfig(affinity_fair_share=bad)
 
 
 def test_a_new_prefix_goes_where_fewer_families_live() -> None:

@@ -19,7 +19,13 @@ from hypothesis import strategies as st
 from bench.decide_bench import pool_from_toml
 from events.schema import BlockStored
 from router.config import PolicyConfig
-from router.core.policy import Candidate, KVCostPolicy, NoCandidates, queued_tokens
+from router.core.policy import (
+    Candidate,
+    KVCostPolicy,
+    NoCandidates,
+    queued_tokens,
+    request_load,
+)
 from router.core.pressure import DecayingSum
 from router.core.shortlist import LoadBook, choose_shortlist
 from router.server.state import PoolState, ShortlistMismatch
@@ -47,6 +53,7 @@ def pure_case(draw: st.DrawFn) -> tuple:
         pressure_weight=draw(st.sampled_from([0.0, 0.5])),
         load_band_tokens=draw(st.sampled_from([0.0, 0.0, 300.0, 4096.0])),
         family_spread_tokens=draw(st.sampled_from([0.0, 300.0])) if affinity else 0.0,
+        affinity_fair_share=draw(st.sampled_from([0.0, 1.0, 2.0])),
     )
     families = st.sampled_from([0, 0, 1, 3])
     keys = draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=60, unique=True))
@@ -67,6 +74,7 @@ def pure_case(draw: st.DrawFn) -> tuple:
                 recent_new_tokens=draw(st.sampled_from([0.0, 0.0, 50.0])),
                 home_tokens=draw(st.sampled_from([0, 0, 64, 128])),
                 families=draw(families),
+                waiting=draw(st.sampled_from([None, None, 0, 2])),
             )
         )
     book_members = {}
@@ -104,9 +112,9 @@ def test_choose_shortlist_equals_the_full_scan(case: tuple) -> None:
     cfg, explicit, members, churns, also, excluded, seed = case
     book = LoadBook(churn_order=cfg.load_band_tokens > 0)
     for key, c in members.items():
-        book.put(key, queued_tokens(c, cfg), churns[key])
-    for key in also:
-        book.put(key, 256.0)
+        book.put(key, queued_tokens(c, cfg), churns[key], request_load(c))
+    for key in also:  # (a skipped member's load must not count, whatever the book says)
+        book.put(key, 256.0, load=5)
     fast_policy = KVCostPolicy(cfg, random.Random(seed))
     ref_policy = KVCostPolicy(cfg, random.Random(seed))
     n = 1024
@@ -281,6 +289,7 @@ def pool_case(draw: st.DrawFn) -> dict:
             f"pressure_weight = {draw(st.sampled_from([0.0, 0.0, 0.5]))}",
             f"affinity_weight = {affinity}",
             f"family_spread_tokens = {spread}",
+            f"affinity_fair_share = {draw(st.sampled_from([0.0, 1.0, 2.0]))}",
             f"per_request_tokens = {draw(st.sampled_from([0.0, 256.0]))}",
             f"load_band_tokens = {draw(st.sampled_from([0.0, 0.0, 300.0, 4096.0]))}",
             "lower_tier_weights = {CPU = 0.5}",

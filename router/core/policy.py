@@ -12,6 +12,7 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
     look_ahead    = lookahead_weight · fa_prefix_tokens
     pressure      = pressure_weight · recent_new_tokens
     affinity      = min(affinity_max_tokens, affinity_weight · home_tokens)
+                    (0 where the home holds more than its fair share of the requests)
     spread        = family_spread_tokens · families     (only where no candidate is home)
     cost          = prefill + queued - look_ahead + pressure - affinity + spread
 
@@ -61,11 +62,20 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   family's first request still in flight). It only breaks ties among the replicas with the
   longest exact hit: a home whose hit is shorter than another replica's gets no credit (a
   replica back from a failure with the prefix cached wins its family back). With
-  ``affinity_weight = 2`` a new conversation over a 600-token system prompt cached on both
+  ``affinity_weight = 8`` a new conversation over a 600-token system prompt cached on both
   replicas (hits and look-ahead tie) leaves the prompt's home only for a queue gap above
-  ``2·576`` tokens (nine whole 64-token chunks).
+  ``8·576 = 4,608`` tokens (nine whole 64-token chunks), or when the home holds more than its
+  fair share of the requests (below).
   ``affinity_max_tokens`` bounds the credit, so a prefix every request shares cannot hold all
   traffic on one replica. Measured in ``PolicyConfig.affinity_weight``'s docstring.
+
+* **Fair share.** The credit is a tie-breaker, so it must not become the reason one replica
+  carries a fleet: a home with more than ``affinity_fair_share`` times the candidates' mean
+  number of requests (``request_load``: in flight or running, plus waiting; the mean counted
+  as at least one) gets none, and hit, look-ahead and queue decide as they would without
+  homes. The queue alone never stops a prefix every request shares from pulling a quiet
+  fleet onto its home, because at light load no queue builds. With two replicas a bound of 2
+  or more never binds (a replica's load is at most twice the mean).
 
 * **Family spread.** ``families`` are the prefix families homed on the replica (first chunks a
   second request carried, router.core.affinity). A request no candidate is home to is a new
@@ -115,6 +125,7 @@ __all__ = [
     "make_policy",
     "placement_terms",
     "queued_tokens",
+    "request_load",
 ]
 
 ReplicaKey = tuple[str, int]
@@ -240,23 +251,58 @@ def _cost(
     return prefill + queued - ahead + pressure - affinity + spread
 
 
-def placement_terms(cfg: PolicyConfig, candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+def request_load(c: Candidate) -> int:
+    """Requests at the replica: the router's own in flight or vLLM's running count, whichever
+    is larger, plus vLLM's waiting ones. The affinity fair share's unit: whole requests, so
+    router.core.shortlist's running total over its book equals the full scan's sum exactly."""
+    return max(c.in_flight, _whole(c.running)) + _whole(c.waiting)
+
+
+_MOST_REQUESTS = 1 << 40
+"""Where a scraped count stops counting (a replica reporting inf or 1e300 requests is full)."""
+
+
+def _whole(count: float | None) -> int:
+    """A scraped request count as a whole number: missing or NaN is 0, inf is capped."""
+    if count is None or not count >= 0:
+        return 0
+    return int(min(count, _MOST_REQUESTS))
+
+
+def placement_terms(
+    cfg: PolicyConfig,
+    candidates: Sequence[Candidate],
+    fleet: tuple[int, int] | None = None,
+) -> Sequence[Candidate]:
     """The candidates as the kv cost sees them: a home whose exact hit is shorter than
-    another trusted replica's gets no affinity credit, and ``families`` count only for a
-    request no candidate is home to (module docstring: affinity, family spread). Shared by
-    the full scan and router.core.shortlist, so both score the same terms."""
+    another trusted replica's, or that holds more than its fair share of the requests
+    (``affinity_fair_share``), gets no affinity credit, and ``families`` count only for a
+    request no candidate is home to (module docstring: affinity, fair share, family spread).
+    Shared by the full scan and router.core.shortlist, so both score the same terms.
+    ``fleet``: ``(Σ request_load, count)`` over every candidate, where ``candidates`` are only
+    some of them (the shortlist's explicit ones); None: ``candidates`` are all of them."""
     best = max((c.hit_tokens for c in candidates if c.trusted), default=0)
     homed = any(c.home_tokens for c in candidates)
     drop_families = homed and cfg.family_spread_tokens > 0
+    crowded: set[ReplicaKey] = set()
+    if homed and cfg.affinity_fair_share > 0:
+        total, count = (
+            fleet if fleet is not None else (sum(map(request_load, candidates)), len(candidates))
+        )
+        # the mean counts as at least one request per candidate: an idle fleet's home may hold
+        # ``affinity_fair_share`` requests (a GPU batches them) before its credit goes
+        limit = cfg.affinity_fair_share * max(total, count)
+        crowded = {c.key for c in candidates if c.home_tokens and count * request_load(c) > limit}
     if not (
         (homed and any(c.home_tokens and c.hit_tokens < best for c in candidates))
+        or crowded
         or (drop_families and any(c.families for c in candidates))
     ):
         return candidates
     out = []
     for c in candidates:
         changes: dict[str, int] = {}
-        if c.home_tokens and c.hit_tokens < best:
+        if c.home_tokens and (c.hit_tokens < best or c.key in crowded):
             changes["home_tokens"] = 0
         if drop_families and c.families:
             changes["families"] = 0

@@ -58,6 +58,7 @@ from router.core.policy import (
     NoCandidates,
     Scored,
     placement_terms,
+    request_load,
 )
 from router.core.pressure import ORDER_KEY_SLACK, DecayingSum
 
@@ -78,11 +79,14 @@ class LoadBook:
     so the caller re-puts the replica then. Without a band nothing reads that order, and the
     routing path does not pay for keeping it."""
 
-    __slots__ = ("_at", "_by_churn", "_churn", "_sorted", "churn_order")
+    __slots__ = ("_at", "_by_churn", "_churn", "_load", "_sorted", "churn_order", "total_load")
 
     def __init__(self, churn_order: bool = False) -> None:
         self._sorted: SortedList = SortedList()
         self._at: dict[ReplicaKey, float] = {}
+        self._load: dict[ReplicaKey, int] = {}
+        self.total_load = 0
+        """Σ ``request_load`` of the members: the affinity fair share's mean without a scan."""
         self.churn_order = churn_order
         self._by_churn: SortedList = SortedList()
         self._churn: dict[ReplicaKey, tuple[float, DecayingSum | None]] = {}
@@ -96,10 +100,18 @@ class LoadBook:
     def queued(self, key: ReplicaKey) -> float | None:
         return self._at.get(key)
 
-    def put(self, key: ReplicaKey, queued: float, churn: DecayingSum | None = None) -> None:
-        """Add or move ``key`` (``queued`` must be finite: the caller keeps the rest out)."""
+    def load(self, key: ReplicaKey) -> int:
+        return self._load.get(key, 0)
+
+    def put(
+        self, key: ReplicaKey, queued: float, churn: DecayingSum | None = None, load: int = 0
+    ) -> None:
+        """Add or move ``key`` (``queued`` must be finite: the caller keeps the rest out);
+        ``load`` is its ``request_load`` (router.core.policy), filed with it."""
         if not math.isfinite(queued):
             raise ValueError(f"queued must be finite to be ordered, got {queued!r} for {key}")
+        self.total_load += load - self._load.get(key, 0)
+        self._load[key] = load
         old = self._at.get(key)
         if self.churn_order:
             self._file_churn(key, old, queued, churn)
@@ -124,6 +136,7 @@ class LoadBook:
         self._by_churn.add((order, queued, key))
 
     def discard(self, key: ReplicaKey) -> None:
+        self.total_load -= self._load.pop(key, 0)
         old = self._at.pop(key, None)
         if old is not None:
             self._sorted.remove((old, key))
@@ -213,8 +226,15 @@ def choose_shortlist(
     if cfg.family_spread_tokens > 0 and not any(c.home_tokens for c in explicit):
         return None  # a new prefix: every replica's families count, the book has none
     # KVCostPolicy.choose's rules (placement_terms); the book's candidates have hit 0, which
-    # never raises the best trusted hit, and no home
-    explicit = placement_terms(cfg, explicit)
+    # never raises the best trusted hit, and no home (their requests count in the fair share)
+    fleet = None
+    if cfg.affinity_fair_share > 0 and any(c.home_tokens for c in explicit):
+        gone = [k for k in set(skip) if k in book]
+        fleet = (
+            book.total_load - sum(map(book.load, gone)) + sum(map(request_load, explicit)),
+            len(book) - len(gone) + len(explicit),
+        )
+    explicit = placement_terms(cfg, explicit, fleet)
     scored = [policy.score(num_tokens, c) for c in explicit]
     if any(math.isnan(s.cost) for s in scored):
         return None

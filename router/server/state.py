@@ -38,6 +38,7 @@ from router.core.policy import (
     Policy,
     make_policy,
     queued_tokens,
+    request_load,
 )
 from router.core.predict import Prediction, Predictor, ReplicaHit, body_request_keys
 from router.core.pressure import DecayingSum
@@ -622,9 +623,10 @@ class PoolState:
             keys = self._book_keys[name] = [(name, r) for r in rep.ranks]
             regular = not rep.drained and rep.health.state(now) == "healthy"
             for key in keys:
-                q = queued_tokens(_candidate(rep, key[1], None, 0, now), cfg)
+                cand = _candidate(rep, key[1], None, 0, now)
+                q = queued_tokens(cand, cfg)
                 if regular and math.isfinite(q) and not (pressure and key[1] in rep.written):
-                    book.put(key, q, rep.written.get(key[1]))
+                    book.put(key, q, rep.written.get(key[1]), request_load(cand))
                 else:
                     irregular.add(key)
         self._dirty.clear()
