@@ -36,6 +36,7 @@ from bench.real_vllm.load_report import (  # noqa: E402
     paired_table,
     percentile,
     summarize_run,
+    ttft_by_kind,
 )
 from router.config import parse_config  # noqa: E402
 from tests.fake_replica import ServerThread  # noqa: E402
@@ -214,6 +215,30 @@ def test_exactness_splits_misses_and_percentiles_are_nearest_rank() -> None:
     s = summarize_run(recs)
     assert s["reuse"] == pytest.approx(128 / 300)
     assert s["ttft_ms"]["mean"] == pytest.approx(100.0)
+
+
+def test_ttft_is_pooled_per_kind_of_request() -> None:
+    """Hand-counted: first turns 100 and 300 ms (mean 200, p90 300), one later turn 50 ms, one
+    one-off 900 ms; an errored request and one without a first chunk are left out."""
+
+    def rec(kind: str, turn: int, ttft: float | None, error: str | None = None) -> dict:
+        return {"kind": kind, "turn": turn, "ttft_s": ttft, "error": error}
+
+    run = {
+        "policy": "kv",
+        "records": [
+            rec("conversation", 0, 0.1),
+            rec("conversation", 0, 0.3),
+            rec("conversation", 2, 0.05),
+            rec("one_off", 0, 0.9),
+            rec("conversation", 1, 5.0, error="timeout"),
+            rec("conversation", 1, None),
+        ],
+    }
+    table = ttft_by_kind([run, {"policy": "cache_aware", "records": []}])
+    lines = table.splitlines()
+    assert lines[2] == "| kv | 4, 338 / 900 | 2, 200 / 300 | 1, 50 / 50 | 1, 900 / 900 |"
+    assert lines[3] == "| cache_aware | – | – | – | – |"
 
 
 def test_exactness_is_counted_per_band_of_requests_in_flight() -> None:

@@ -169,6 +169,46 @@ def exactness_by_load(runs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+TTFT_KINDS = ("first turns", "later turns", "one-offs")
+
+
+def _ttft_kind(r: dict[str, Any]) -> str:
+    if r.get("kind") == "one_off":
+        return "one-offs"
+    return "first turns" if not r.get("turn") else "later turns"
+
+
+def ttft_by_kind(runs: Sequence[dict[str, Any]]) -> str:
+    """TTFT mean / p90 per policy and kind of request, every request of the round pooled.
+
+    Paired runs compare one run's p90 (15 of its 150 requests) with another's, so a few slow
+    requests decide a pair; pooled by kind, it shows which requests a policy makes slower:
+    a later turn waits on its conversation's replica, a one-off (no hit anywhere) on whichever
+    replica the load sent it to."""
+    per: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        kinds = per.setdefault(run["policy"], {k: [] for k in ("all", *TTFT_KINDS)})
+        for r in run.get("records") or ():
+            if r.get("error") is not None or r.get("ttft_s") is None:
+                continue
+            kinds["all"].append(1e3 * r["ttft_s"])
+            kinds[_ttft_kind(r)].append(1e3 * r["ttft_s"])
+    heads = ("all", *TTFT_KINDS)
+    lines = [
+        "| policy | " + " | ".join(f"{k}: n, mean / p90 ms" for k in heads) + " |",
+        "|---|" + "---|" * len(heads),
+    ]
+    for policy in _order(per):
+        cells = []
+        for k in heads:
+            v = per[policy][k]
+            cells.append(
+                f"{len(v)}, {statistics.fmean(v):.0f} / {percentile(v, 90):.0f}" if v else "–"
+            )
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
     """Per policy: reuse and TTFT mean / p90 per seed (repeats comma-separated, seeds split by
     ``/``), mean ± standard deviation (min–max) over all runs, and prediction exactness."""
@@ -376,6 +416,8 @@ def report(doc: dict[str, Any]) -> str:
             per_seed_table(runs),
             "\n## Paired (same seed and repeat)\n",
             paired_table(runs),
+            "\n## TTFT by kind of request (every request of the round)\n",
+            ttft_by_kind(runs),
             "\n## Where reuse is lost (bench/real_vllm/load_losses.py)\n",
             losses_table(doc, _order({r["policy"] for r in runs})),
             "\n## Against the ceiling (no eviction, no split family: load_losses.run_ceiling)\n",
