@@ -15,7 +15,8 @@ from events.hashing import native_chain
 from router.config import PolicyConfig
 from router.core import affinity
 from router.core.affinity import PrefixHomes
-from router.core.policy import Candidate, KVCostPolicy, placement_terms, request_load
+from router.core.policy import Candidate, KVCostPolicy, crowded_homes, request_load
+from router.server.metrics import RouterMetrics
 
 A, B = ("a", 0), ("b", 0)
 
@@ -378,11 +379,12 @@ def test_a_home_past_twice_its_fair_share_loses_its_credit() -> None:
     # four replicas, eight requests in flight in all: the mean is 2, the home holds four of
     # them (= 2 x the mean, not above): the credit stands and outbids its 1,024-token queue
     d = policy.choose(1000, _fleet([4, 2, 1, 1]))
-    assert d.chosen.key == ("r0", 0) and d.chosen.affinity == 8 * 576
+    assert d.chosen.key == ("r0", 0) and d.chosen.affinity == 8 * 576 and d.crowded == ()
     # five of nine (5 x 4 > 2 x 9): no credit; the least loaded replica with the same hit
     d = policy.choose(1000, _fleet([5, 2, 1, 1]))
     assert d.chosen.key in {("r2", 0), ("r3", 0)}
     assert all(s.affinity == 0 for s in d.ranked)
+    assert d.crowded == (("r0", 0),)  # named, so the service counts the override
     assert d.chosen.cost == 400 + 256 - 2 * 600  # prefill + one request queued - look-ahead
     # off: the credit holds the home through the same crowd
     off = KVCostPolicy(PolicyConfig(**HOMES_X8, affinity_fair_share=0.0))
@@ -415,7 +417,8 @@ def test_with_two_replicas_a_fair_share_of_two_or_more_never_binds(
         for i, (f, r, w) in enumerate(loads)
     ]  # fmt: skip
     cfg = PolicyConfig(**HOMES_X8, affinity_fair_share=fair)
-    assert [c.home_tokens for c in placement_terms(cfg, cands)] == [64] * len(cands)
+    assert crowded_homes(cfg, cands) == frozenset()
+    assert KVCostPolicy(cfg).choose(1000, cands).crowded == ()
 
 
 def test_a_scraped_count_becomes_whole_requests() -> None:
@@ -489,3 +492,37 @@ def test_the_config_refuses_a_spread_without_prefix_homes() -> None:
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="family_spread_tokens"):
             PolicyConfig(family_spread_tokens=bad)
+
+
+def test_the_pool_counts_each_fair_share_override_by_home() -> None:
+    """Four replicas, no events (every hit 0): the first request homes its prefix where it
+    goes. Hand-derived: with the home at 2 requests in flight and the rest idle, 4 x 2 is not
+    above 2 x max(2, 4), so the home keeps the request; at 3 (12 > 8) it loses the credit, the
+    request goes to an idle replica and the pool counts one override for the home, which the
+    metrics snapshot carries."""
+    from bench.decide_bench import make_pool
+
+    pool = make_pool(["a", "b", "c", "d"], speculative=False)
+    assert pool.cfg.policy.affinity_fair_share == 2.0  # the default
+    prompt = list(range(500, 756))  # four whole 64-token chunks
+    home = pool.decide(prompt, {}).decision.chosen.key
+    rep = pool.replicas[home[0]]
+    for _ in range(2):
+        rep.request_started(home[1], 0)
+    d = pool.decide(prompt, {}).decision
+    assert d.chosen.key == home and d.crowded == () and d.chosen.affinity == 8 * 256
+    assert pool.fair_share_overrides == {}
+    rep.request_started(home[1], 0)
+    d = pool.decide(prompt, {}).decision
+    assert d.chosen.key != home and d.crowded == (home,)
+    assert pool.fair_share_overrides == {home: 1}
+    # explain asks without counting
+    assert pool.decide(prompt, {}, explain=True).decision.crowded == (home,)
+    assert pool.fair_share_overrides == {home: 1}
+    pool.router.pools[pool.name] = pool
+    text = RouterMetrics(pool.router.snapshot).render().decode()
+    want = (
+        f'kvrouter_affinity_fair_share_overrides_total{{dp_rank="{home[1]}",pool="m",'
+        f'replica="{home[0]}"}} 1.0'
+    )
+    assert want in text.splitlines()

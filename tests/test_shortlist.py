@@ -37,6 +37,7 @@ NOW = 1000.0
 def _same(fast, ref) -> None:  # type: ignore[no-untyped-def]
     assert fast.chosen.key == ref.chosen.key
     assert fast.tied == ref.tied
+    assert fast.crowded == ref.crowded  # the fair share overrode the same homes
     scores = {s.key: s for s in ref.ranked}
     for s in fast.ranked:
         assert scores[s.key] == s

@@ -122,10 +122,12 @@ __all__ = [
     "PrefixGroupBlindPolicy",
     "RoundRobinPolicy",
     "Scored",
+    "crowded_homes",
     "make_policy",
     "placement_terms",
     "queued_tokens",
     "request_load",
+    "with_crowded",
 ]
 
 ReplicaKey = tuple[str, int]
@@ -208,6 +210,8 @@ class Decision:
     ranked: tuple[Scored, ...]
     tied: int
     """How many candidates tied for the best cost."""
+    crowded: tuple[ReplicaKey, ...] = ()
+    """Homes whose affinity credit the fair share took away (``crowded_homes``)."""
 
     @property
     def chosen(self) -> Scored:
@@ -269,30 +273,45 @@ def _whole(count: float | None) -> int:
     return int(min(count, _MOST_REQUESTS))
 
 
-def placement_terms(
+def crowded_homes(
     cfg: PolicyConfig,
     candidates: Sequence[Candidate],
     fleet: tuple[int, int] | None = None,
+) -> frozenset[ReplicaKey]:
+    """The homes holding more than ``affinity_fair_share`` times the candidates' mean number
+    of requests (module docstring: fair share), the mean counted as at least one: an idle
+    fleet's home may hold that many requests (a GPU batches them) before its credit goes.
+    ``fleet``: ``(Σ request_load, count)`` over every candidate, where ``candidates`` are only
+    some of them (router.core.shortlist's explicit ones); None: they are all of them."""
+    fair = cfg.affinity_fair_share
+    if fair <= 0 or not any(c.home_tokens for c in candidates):
+        return frozenset()
+    total, count = (
+        fleet if fleet is not None else (sum(map(request_load, candidates)), len(candidates))
+    )
+    limit = fair * max(total, count)
+    best = max((c.hit_tokens for c in candidates if c.trusted), default=0)
+    return frozenset(  # only homes that would have the credit (trusted, with the best hit)
+        c.key
+        for c in candidates
+        if c.home_tokens and c.trusted and c.hit_tokens >= best
+        and count * request_load(c) > limit
+    )  # fmt: skip
+
+
+def placement_terms(
+    cfg: PolicyConfig,
+    candidates: Sequence[Candidate],
+    crowded: frozenset[ReplicaKey] = frozenset(),
 ) -> Sequence[Candidate]:
     """The candidates as the kv cost sees them: a home whose exact hit is shorter than
-    another trusted replica's, or that holds more than its fair share of the requests
-    (``affinity_fair_share``), gets no affinity credit, and ``families`` count only for a
-    request no candidate is home to (module docstring: affinity, fair share, family spread).
-    Shared by the full scan and router.core.shortlist, so both score the same terms.
-    ``fleet``: ``(Σ request_load, count)`` over every candidate, where ``candidates`` are only
-    some of them (the shortlist's explicit ones); None: ``candidates`` are all of them."""
+    another trusted replica's, or that is ``crowded`` (:func:`crowded_homes`), gets no
+    affinity credit, and ``families`` count only for a request no candidate is home to
+    (module docstring: affinity, fair share, family spread). Shared by the full scan and
+    router.core.shortlist, so both score the same terms."""
     best = max((c.hit_tokens for c in candidates if c.trusted), default=0)
     homed = any(c.home_tokens for c in candidates)
     drop_families = homed and cfg.family_spread_tokens > 0
-    crowded: set[ReplicaKey] = set()
-    if homed and cfg.affinity_fair_share > 0:
-        total, count = (
-            fleet if fleet is not None else (sum(map(request_load, candidates)), len(candidates))
-        )
-        # the mean counts as at least one request per candidate: an idle fleet's home may hold
-        # ``affinity_fair_share`` requests (a GPU batches them) before its credit goes
-        limit = cfg.affinity_fair_share * max(total, count)
-        crowded = {c.key for c in candidates if c.home_tokens and count * request_load(c) > limit}
     if not (
         (homed and any(c.home_tokens and c.hit_tokens < best for c in candidates))
         or crowded
@@ -308,6 +327,13 @@ def placement_terms(
             changes["families"] = 0
         out.append(dataclasses.replace(c, **changes) if changes else c)
     return out
+
+
+def with_crowded(decision: Decision, crowded: frozenset[ReplicaKey]) -> Decision:
+    """``decision`` naming the homes the fair share overrode (in key order)."""
+    if not crowded:
+        return decision
+    return dataclasses.replace(decision, crowded=tuple(sorted(crowded)))
 
 
 class _CostPolicy:
@@ -385,7 +411,9 @@ class KVCostPolicy(_CostPolicy):
     def choose(
         self, num_tokens: int, candidates: Sequence[Candidate], *, commit: bool = True
     ) -> Decision:
-        return super().choose(num_tokens, placement_terms(self.cfg, candidates), commit=commit)
+        crowded = crowded_homes(self.cfg, candidates)
+        terms = placement_terms(self.cfg, candidates, crowded)
+        return with_crowded(super().choose(num_tokens, terms, commit=commit), crowded)
 
     def score(self, num_tokens: int, c: Candidate) -> Scored:
         return self.score_queued(num_tokens, c, queued_tokens(c, self.cfg))

@@ -57,8 +57,10 @@ from router.core.policy import (
     KVCostPolicy,
     NoCandidates,
     Scored,
+    crowded_homes,
     placement_terms,
     request_load,
+    with_crowded,
 )
 from router.core.pressure import ORDER_KEY_SLACK, DecayingSum
 
@@ -227,21 +229,23 @@ def choose_shortlist(
         return None  # a new prefix: every replica's families count, the book has none
     # KVCostPolicy.choose's rules (placement_terms); the book's candidates have hit 0, which
     # never raises the best trusted hit, and no home (their requests count in the fair share)
-    fleet = None
+    crowded: frozenset[ReplicaKey] = frozenset()
     if cfg.affinity_fair_share > 0 and any(c.home_tokens for c in explicit):
         gone = [k for k in set(skip) if k in book]
         fleet = (
             book.total_load - sum(map(book.load, gone)) + sum(map(request_load, explicit)),
             len(book) - len(gone) + len(explicit),
         )
-    explicit = placement_terms(cfg, explicit, fleet)
+        crowded = crowded_homes(cfg, explicit, fleet)
+    explicit = placement_terms(cfg, explicit, crowded)
     scored = [policy.score(num_tokens, c) for c in explicit]
     if any(math.isnan(s.cost) for s in scored):
         return None
     if band > 0:
         if not book.churn_order:
             return None  # a book kept without churn cannot break the band's ties
-        return _choose_banded(policy, num_tokens, explicit, scored, book, skip, now, commit)
+        banded = _choose_banded(policy, num_tokens, explicit, scored, book, skip, now, commit)
+        return with_crowded(banded, crowded) if banded is not None else None
     best = min((s.cost for s in scored), default=math.inf)
     skipped: dict[float, list[ReplicaKey]] = {}
     for k in set(skip):
@@ -269,7 +273,7 @@ def choose_shortlist(
     pick = policy.tie_rng(commit).randrange(n_tied) if n_tied > 1 else 0
     chosen = _locate(book, pick, tied_ex, tied_runs, skipped)
     others = sorted((s for s in scored if s.key != chosen.key), key=lambda s: (s.cost, s.key))
-    return Decision(policy.name, (chosen, *others), n_tied)
+    return with_crowded(Decision(policy.name, (chosen, *others), n_tied), crowded)
 
 
 def _locate(

@@ -309,6 +309,9 @@ def admin_router(
             "untokenized_reason": reason,
             "chosen": {"replica": chosen[0], "dp_rank": chosen[1]},
             "tied": choice.decision.tied,
+            "fair_share_overrode": [
+                {"replica": k[0], "dp_rank": k[1]} for k in choice.decision.crowded
+            ],
             "decision_seconds": elapsed,
             "speculative_entries": (
                 len(pool.speculative) if pool.speculative is not None else None

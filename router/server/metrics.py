@@ -100,6 +100,12 @@ class _StateCollector(Collector):
             " (router.core.affinity; what policy.family_spread_tokens charges a new prefix)",
             labels=["pool", "replica", "dp_rank"],
         )
+        overrides = CounterMetricFamily(
+            "kvrouter_affinity_fair_share_overrides",
+            "Routed requests whose prefix home held more than policy.affinity_fair_share times"
+            " the mean requests per replica and so lost its affinity credit, by home",
+            labels=["pool", "replica", "dp_rank"],
+        )
         rank = ["pool", "replica", "dp_rank"]
         events = CounterMetricFamily(
             "kvrouter_events", "KV events received, by type", labels=[*rank, "type"]
@@ -177,6 +183,8 @@ class _StateCollector(Collector):
                 homes.add_metric([name, rname, str(rk)], n)
             for (rname, rk), n in (pool.get("prefix_families") or {}).items():
                 families.add_metric([name, rname, str(rk)], n)
+            for (rname, rk), n in (pool.get("fair_share_overrides") or {}).items():
+                overrides.add_metric([name, rname, str(rk)], n)
             lay = pool.get("layout")
             if lay is not None:
                 for st in LAYOUT_STATUSES:
@@ -232,7 +240,7 @@ class _StateCollector(Collector):
                     "malformed",
                 ):
                     gaps.add_metric([*rep, kind], getattr(st, kind))
-        yield from (entries, nbytes, memo_steps, memo_capacity, homes, families)
+        yield from (entries, nbytes, memo_steps, memo_capacity, homes, families, overrides)
         yield from (wipes, sweep_steps, sweep_passes, swept, dead)
         yield from (events, outcomes, lag, gaps)
         yield from (trusted, trust_state, ingest, layout_status, layout_views, layout_held)

@@ -294,6 +294,9 @@ class PoolState:
         self.homes: PrefixHomes | None = None
         if cfg.policy.affinity_weight > 0 and cfg.policy.name == "kv":
             self.homes = PrefixHomes(cfg.policy.affinity_chunk_tokens, cfg.policy.affinity_capacity)
+        self.fair_share_overrides: dict[ReplicaKey, int] = {}
+        """Routed requests whose home lost its credit to the fair share, by home
+        (``policy.affinity_fair_share``; metric ``kvrouter_affinity_fair_share_overrides``)."""
         self.policy: Policy = make_policy(cfg.policy)
         self.fallback = LeastLoadPolicy(cfg.policy)
         self.replicas: dict[str, ReplicaState] = {}
@@ -717,6 +720,8 @@ class PoolState:
         if rng.getstate() != after:
             problems.append("the RNG was consumed differently")
             rng.setstate(after)
+        if ref.crowded != fast.crowded:
+            problems.append(f"fair share overrode {fast.crowded}, the full scan {ref.crowded}")
         if ref.chosen.key != fast.chosen.key or ref.tied != fast.tied:
             problems.append(
                 f"chose {fast.chosen.key} ({fast.tied} tied), the full scan "
@@ -822,6 +827,8 @@ class PoolState:
                 )
             if homes is not None and not explain:
                 new_homes = homes.record(home_keys, decision.chosen.key)
+                for key in decision.crowded:
+                    self.fair_share_overrides[key] = self.fair_share_overrides.get(key, 0) + 1
             if overlay is not None and not explain:
                 chosen = decision.chosen.key
                 hit = None  # the admission-time hit there: where its junction will be
@@ -940,6 +947,7 @@ class RouterState:
                 "hash_memo": (h.memo_stats if (h := p.index.hasher()) is not None else None),
                 "prefix_homes": p.homes.homes_by_replica() if p.homes is not None else None,
                 "prefix_families": (p.homes.families_by_replica() if p.homes is not None else None),
+                "fair_share_overrides": dict(p.fair_share_overrides),
                 "replica_stats": p.index.stats(),
                 "layout": p.index.layout_state(),
                 "stream_stats": p.stream_stats(),
