@@ -1,6 +1,7 @@
 """What the admission-time view and prefix homes cost per routing decision (issue 17):
-``PoolState.decide`` without prefix homes (``affinity_weight = 0``, speculation off), with the
-defaults (prefix homes on, the speculative overlay off), with the overlay on and nothing in
+``PoolState.decide`` without prefix homes (``affinity_weight = 0``, speculation off), with
+homes but no fair share (``affinity_fair_share = 0``), with the defaults (prefix homes and
+their fair share on, the speculative overlay off), with the overlay on and nothing in
 flight, and on with requests in flight that share the request's system prompt (then every
 decision runs a second prediction over index + overlay, and records its own entries).
 
@@ -56,6 +57,7 @@ def make_pool(
     seed: int = 1,
     affinity_weight: float | None = None,
     load_band_tokens: float = 0.0,
+    affinity_fair_share: float | None = None,
 ) -> PoolState:
     """The router's own pool (fa + swa 128, 16-token blocks) over replicas with no event
     stream, each reset to known-empty and so trusted (tests/test_speculative.py uses it too).
@@ -77,6 +79,8 @@ speculative_routing = {"true" if routing else "false"}
         toml += f"affinity_weight = {affinity_weight}\n"
     if load_band_tokens:
         toml += f"load_band_tokens = {float(load_band_tokens)}\n"
+    if affinity_fair_share is not None:
+        toml += f"affinity_fair_share = {float(affinity_fair_share)}\n"
     for name in names:
         toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
     return pool_from_toml(toml)
@@ -121,8 +125,9 @@ def run(replicas: int, mode: str, n: int, tokens: int, in_flight: int) -> list[f
     systems = [[rng.randrange(7, 2048) for _ in range(1000)] for _ in range(SYSTEMS)]
     pool = make_pool(
         [f"r{i}" for i in range(replicas)],
-        speculative=mode not in ("off", "no affinity"),
+        speculative=mode not in ("off", "no affinity", "no fair share"),
         affinity_weight=0.0 if mode == "no affinity" else None,
+        affinity_fair_share=0.0 if mode == "no fair share" else None,
     )
     store(pool, systems)
     prompts = [
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/decide_bench.json")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)  # "no event endpoint configured" per replica: known here
-    modes = ["no affinity", "off", "on, idle", f"on, {args.in_flight} in flight"]
+    modes = ["no affinity", "no fair share", "off", "on, idle", f"on, {args.in_flight} in flight"]
     rows = []
     for r in args.replicas:
         cells = {}
@@ -171,15 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ndecide() per request, {args.tokens}-token prompts, fa+swa 16-token blocks, "
           f"{args.n} decisions per cell (medians; p90 in brackets)")  # fmt: skip
     print(f"{'replicas':>8} " + " ".join(f"{m:>24}" for m in modes)
-          + "   on/off (in flight)   affinity")  # fmt: skip
+          + "   on/off (in flight)   affinity   fair share")  # fmt: skip
     for row in rows:
         cells = " ".join(
             f"{row[m]['p50_us']:>12.1f} [{row[m]['p90_us']:>8.1f}] us"[-24:].rjust(24)
             for m in modes
         )
-        ratio = row[modes[3]]["p50_us"] / row["off"]["p50_us"]
-        homes = row["off"]["p50_us"] / row["no affinity"]["p50_us"]
-        print(f"{row['replicas']:>8} {cells}   {ratio:.2f}x{'':17}{homes:.2f}x")
+        ratio = row[modes[4]]["p50_us"] / row["off"]["p50_us"]
+        homes = row["no fair share"]["p50_us"] / row["no affinity"]["p50_us"]
+        fair = row["off"]["p50_us"] / row["no fair share"]["p50_us"]
+        print(f"{row['replicas']:>8} {cells}   {ratio:.2f}x{'':17}{homes:.2f}x{'':6}{fair:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "machine": platform.machine()}
     args.out.write_text(json.dumps({"meta": meta, "args": vars(args) | {"out": str(args.out)},

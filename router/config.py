@@ -393,7 +393,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the busiest replica's share of requests from 14.4 to 5.8 times the mean at light load
     (the same as without homes) and from 2.8 to 2.0 at 8x the rate, with the lowest p99 TTFT
     of the kv variants there; on the scaled Mooncake trace it keeps homes x8's reuse (23.1 /
-    33.9 % at 4 / 16 replicas) at a higher p99 than weight 2 had."""
+    33.9 % at 4 / 16 replicas) at a higher p99 than weight 2 had. It costs 5-25 us per
+    2,000-token decision on top of homes' ~120 us (bench/decide_bench.py, 2-128 replicas,
+    medians: "no fair share" against "off")."""
     family_spread_tokens: float = 0.0
     """Cost, in prefill tokens, of each prefix family already homed on a replica (a first
     chunk that a second request carried, router.core.affinity), charged only to a request that
