@@ -373,7 +373,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lower TTFT mean and p90 in 7 of 9 each; level with vllm-router's ``cache_aware`` there and
     in the next round (bench/results/real_vllm_load_spread.md: 62.9 against 62.7 %), ahead of
     it on three fresh seeds (bench/results/real_vllm_load_fresh456.md, 3 seeds x 2 repeats:
-    62.7 against 61.4 %, more in 5 of 6 pairs, per seed +1.5 / +0.4 / +2.0). 1.0 and 4.0
+    62.7 against 61.4 %, more in 5 of 6 pairs, per seed +1.5 / +0.4 / +2.0); at --rate 6 ahead
+    on seeds 1-3 (real_vllm_load_rate6.md: 63.1 against 62.4 %, 6 of 6 pairs) and level on
+    seeds 4-6 (real_vllm_load_rate6_fresh.md: 62.5 against 62.5 %, behind on two seeds). 1.0 and 4.0
     were measured too (README, issue 17). It costs ~22 us per 2,000-token decision
     (bench/decide_bench.py). At fleet scale homes concentrate a prefix every request shares
     on its home: ``affinity_fair_share`` bounds that."""
