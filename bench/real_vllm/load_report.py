@@ -170,6 +170,7 @@ def exactness_by_load(runs: Sequence[dict[str, Any]]) -> str:
 
 
 TTFT_KINDS = ("first turns", "later turns", "one-offs")
+_TTFT_COLUMNS = ("all", *TTFT_KINDS)
 
 
 def _ttft_kind(r: dict[str, Any]) -> str:
@@ -187,20 +188,19 @@ def ttft_by_kind(runs: Sequence[dict[str, Any]]) -> str:
     replica the load sent it to."""
     per: dict[str, dict[str, list[float]]] = {}
     for run in runs:
-        kinds = per.setdefault(run["policy"], {k: [] for k in ("all", *TTFT_KINDS)})
+        kinds = per.setdefault(run["policy"], {k: [] for k in _TTFT_COLUMNS})
         for r in run.get("records") or ():
             if r.get("error") is not None or r.get("ttft_s") is None:
                 continue
             kinds["all"].append(1e3 * r["ttft_s"])
             kinds[_ttft_kind(r)].append(1e3 * r["ttft_s"])
-    heads = ("all", *TTFT_KINDS)
     lines = [
-        "| policy | " + " | ".join(f"{k}: n, mean / p90 ms" for k in heads) + " |",
-        "|---|" + "---|" * len(heads),
+        "| policy | " + " | ".join(f"{k}: n, mean / p90 ms" for k in _TTFT_COLUMNS) + " |",
+        "|---|" + "---|" * len(_TTFT_COLUMNS),
     ]
     for policy in _order(per):
         cells = []
-        for k in heads:
+        for k in _TTFT_COLUMNS:
             v = per[policy][k]
             cells.append(
                 f"{len(v)}, {statistics.fmean(v):.0f} / {percentile(v, 90):.0f}" if v else "–"

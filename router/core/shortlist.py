@@ -229,9 +229,10 @@ def choose_shortlist(
         return None  # a new prefix: every replica's families count, the book has none
     # KVCostPolicy.choose's rules (placement_terms); the book's candidates have hit 0, which
     # never raises the best trusted hit, and no home (their requests count in the fair share)
+    skip = set(skip)
     crowded: frozenset[ReplicaKey] = frozenset()
     if cfg.affinity_fair_share > 0 and any(c.home_tokens for c in explicit):
-        gone = [k for k in set(skip) if k in book]
+        gone = [k for k in skip if k in book]
         fleet = (
             book.total_load - sum(map(book.load, gone)) + sum(map(request_load, explicit)),
             len(book) - len(gone) + len(explicit),
@@ -248,7 +249,7 @@ def choose_shortlist(
         return with_crowded(banded, crowded) if banded is not None else None
     best = min((s.cost for s in scored), default=math.inf)
     skipped: dict[float, list[ReplicaKey]] = {}
-    for k in set(skip):
+    for k in skip:
         q = book.queued(k)
         if q is not None:
             skipped.setdefault(q, []).append(k)
