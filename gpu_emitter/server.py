@@ -432,6 +432,10 @@ def render_metrics(engine: Engine, info: ReplicaInfo) -> str:
         if reason != "error"
     ]
     _metric(out, "vllm:request_success_total", "counter", "Requests finished, by reason.", success)
+    # vLLM's info gauge carries the cache config as labels (the router reads num_gpu_blocks)
+    cache_info = f'{base},num_gpu_blocks="{engine.pool.num_blocks}"'
+    _metric(out, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+            [(cache_info, 1.0)])  # fmt: skip
     h = st.ttft
     name = "vllm:time_to_first_token_seconds"
     out.append(f"# HELP {name} Histogram of time to first token in seconds.")

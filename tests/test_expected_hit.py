@@ -42,6 +42,7 @@ def send(c: SimCluster, prompt: str, max_tokens: int, out: dict[str, Any]) -> No
     out["status"] = r.status_code
     out["predicted"] = int(r.headers["x-kvrouter-predicted-hit"])
     out["expected"] = int(r.headers["x-kvrouter-expected-hit"])
+    out["in-flight"] = int(r.headers["x-kvrouter-in-flight-hit"])
     usage = r.json()["usage"]
     out["cached"] = usage["prompt_tokens_details"]["cached_tokens"]
     out["prompt"] = usage["prompt_tokens"]

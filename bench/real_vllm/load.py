@@ -30,8 +30,10 @@ no header naming the worker (``x-request-id`` and CORS headers only).
 Measured per run: reuse (Σ cached / Σ prompt tokens from the streamed usage), TTFT
 p50/p90/p99/mean (first content chunk), per-replica request counts (the replicas'
 ``vllm:request_success_total``, priming excluded), the most requests in flight, and behind
-kvrouter how often ``x-kvrouter-predicted-hit`` (events only) and ``x-kvrouter-expected-hit``
-(admission time, when the router sends it) equalled ``cached_tokens``.
+kvrouter how often ``x-kvrouter-predicted-hit`` (events only), ``x-kvrouter-in-flight-hit``
+(plus the requests routed ahead) and ``x-kvrouter-expected-hit`` (admission time: with
+``eviction_forecast=true`` also less what those will evict) equalled ``cached_tokens``, by
+requests in flight.
 
     python -m bench.real_vllm.load --seeds 1 2 3 --repeats 2            # the full matrix
     python -m bench.real_vllm.load --seeds 1 --requests 40 --policies kv cache_aware

@@ -5,8 +5,9 @@ other (each turn's messages are the previous messages, the answer just streamed 
 next user message; the think time runs from the moment the answer finished) and records what
 each request saw: time to the first content chunk, vLLM's usage (``prompt_tokens``,
 ``prompt_tokens_details.cached_tokens``), and kvrouter's response headers when a kvrouter is in
-front (``x-kvrouter-replica``, ``x-kvrouter-predicted-hit``: the events-only prediction, and
-``x-kvrouter-expected-hit``: the admission-time one, when the router sends it). Arrivals are
+front (``x-kvrouter-replica``, ``x-kvrouter-predicted-hit``: the events-only prediction,
+``x-kvrouter-in-flight-hit``: plus the requests routed ahead, and ``x-kvrouter-expected-hit``:
+the admission-time one, when the router sends them). Arrivals are
 open-loop: a slow endpoint does not slow the arrival of new sessions.
 """
 
@@ -25,6 +26,7 @@ from bench.real_vllm.load_plan import Plan, Session
 HEADER_REPLICA = "x-kvrouter-replica"
 HEADER_PREDICTED = "x-kvrouter-predicted-hit"
 HEADER_EXPECTED = "x-kvrouter-expected-hit"
+HEADER_IN_FLIGHT = "x-kvrouter-in-flight-hit"
 
 
 @dataclass
@@ -47,6 +49,8 @@ class RequestRecord:
     replica: str | None = None
     predicted_hit: int | None = None
     expected_hit: int | None = None
+    in_flight_hit: int | None = None
+    """The admission-time hit before the eviction forecast (events + requests ahead)."""
     error: str | None = None
 
 
@@ -133,6 +137,7 @@ class LoadRunner:
                 rec.replica = label.split("/")[0] if label else None
                 rec.predicted_hit = _int_header(r.headers, HEADER_PREDICTED)
                 rec.expected_hit = _int_header(r.headers, HEADER_EXPECTED)
+                rec.in_flight_hit = _int_header(r.headers, HEADER_IN_FLIGHT)
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue

@@ -124,6 +124,16 @@ def _bucket_label(lo: int, hi: int | None) -> str:
     return f"{lo}+" if hi is None else f"{lo}-{hi}"
 
 
+PREDICTIONS = {
+    "predicted_hit": "events-only",
+    "in_flight_hit": "events + requests ahead",
+    "expected_hit": "admission-time",
+}
+"""The router's predictions (record field -> name): ``x-kvrouter-predicted-hit``,
+``x-kvrouter-in-flight-hit`` and ``x-kvrouter-expected-hit`` (which also takes out what the
+requests ahead will evict, router.core.eviction_forecast)."""
+
+
 def exactness_by_load(runs: Sequence[dict[str, Any]]) -> str:
     """Per kvrouter policy and prediction, how often it equalled ``cached_tokens`` by how many
     requests were in flight when each was sent.
@@ -134,7 +144,7 @@ def exactness_by_load(runs: Sequence[dict[str, Any]]) -> str:
     of load is counted apart."""
     tally: dict[tuple[str, str], list[dict[str, int]]] = {}
     for run in runs:
-        for key in ("predicted_hit", "expected_hit"):
+        for key in PREDICTIONS:
             row = tally.setdefault(
                 (run["policy"], key), [{"exact": 0, "total": 0} for _ in LOAD_BUCKETS]
             )
@@ -153,9 +163,8 @@ def exactness_by_load(runs: Sequence[dict[str, Any]]) -> str:
         f"| policy | prediction | {head} |",
         "|---|---|" + "---|" * len(LOAD_BUCKETS),
     ]
-    names = {"predicted_hit": "events-only", "expected_hit": "admission-time"}
     for policy in _order({p for p, _ in tally}):
-        for key in ("predicted_hit", "expected_hit"):
+        for key, name in PREDICTIONS.items():
             row = tally[(policy, key)]
             if not any(c["total"] for c in row):
                 continue
@@ -165,7 +174,7 @@ def exactness_by_load(runs: Sequence[dict[str, Any]]) -> str:
                 else "–"
                 for c in row
             )
-            lines.append(f"| {policy} | {names[key]} | {cells} |")
+            lines.append(f"| {policy} | {name} | {cells} |")
     return "\n".join(lines)
 
 

@@ -210,6 +210,12 @@ class SpeculativeOverlay:
         """Live (group, hash, replica) entries."""
         return len(self._owner)
 
+    @property
+    def view(self) -> object:
+        """The index with the overlay merged in, as :class:`Predictor` reads it (for other
+        views to build on: router.core.eviction_forecast)."""
+        return self._predictor.index
+
     # ----------------------------------------------------------------- entries
 
     def _add(self, g: int, h: object, bit: int, ins: _Insertion) -> None:

@@ -287,6 +287,15 @@ def admin_router(
                 if sp is not None
                 else None
             )
+            # and what vLLM will find at admission: that, minus what the requests queued ahead
+            # there will evict first (router.core.eviction_forecast)
+            forecast = pool.forecast_explained(key, ids, req, choice.in_flight_hit(key))
+            row["admission_hit_tokens"] = (
+                forecast.pop("hit_tokens")
+                if forecast is not None and forecast.get("hit_tokens") is not None
+                else row["expected_hit_tokens"]
+            )
+            row["eviction_forecast"] = forecast
             row["score"] = s.as_dict()
             rows.append(row)
         chosen = choice.decision.chosen.key

@@ -68,6 +68,8 @@ class Kept(NamedTuple):
     decision: Decision
     prediction: Prediction | None
     speculative: Prediction | None
+    admission: ReplicaHit | None
+    """The eviction forecast's hit on the chosen replica, when it lowered the expected one."""
     num_tokens: int
     untokenized: str | None
     """Why the request was not tokenized (routed by load), if it was not."""
@@ -103,7 +105,8 @@ def _row(k: Kept) -> dict[str, Any]:
     decision, prediction = k.decision, k.prediction
     key = decision.chosen.key
     hit = _hit(prediction, key)
-    expected = _hit(k.speculative, key) or hit
+    ahead = _hit(k.speculative, key) or hit
+    expected = k.admission if k.admission is not None else ahead
     res = hit.result if hit is not None else None
     limiting = None
     if res is not None and res.limiting_group is not None and prediction is not None:
@@ -134,6 +137,7 @@ def _row(k: Kept) -> dict[str, Any]:
         "num_tokens": k.num_tokens,
         "tokenized": prediction is not None,
         "predicted_hit": hit.hit_tokens if hit is not None else None,
+        "in_flight_hit": ahead.hit_tokens if ahead is not None else None,
         "expected_hit": expected.hit_tokens if expected is not None else None,
         "best_hit": max((h["hit_tokens"] for h in hits), default=None),
         "cached_tokens": k.cached_tokens,

@@ -106,6 +106,12 @@ class _StateCollector(Collector):
             " the mean requests per replica and so lost its affinity credit, by home",
             labels=["pool", "replica", "dp_rank"],
         )
+        lowered = CounterMetricFamily(
+            "kvrouter_eviction_forecasts",
+            "Routed requests whose admission-time hit (x-kvrouter-expected-hit) the eviction"
+            " forecast lowered: the requests queued ahead on that replica evict part of it",
+            labels=["pool", "replica", "dp_rank"],
+        )
         rank = ["pool", "replica", "dp_rank"]
         events = CounterMetricFamily(
             "kvrouter_events", "KV events received, by type", labels=[*rank, "type"]
@@ -185,6 +191,8 @@ class _StateCollector(Collector):
                 families.add_metric([name, rname, str(rk)], n)
             for (rname, rk), n in (pool.get("fair_share_overrides") or {}).items():
                 overrides.add_metric([name, rname, str(rk)], n)
+            for (rname, rk), n in (pool.get("eviction_forecasts") or {}).items():
+                lowered.add_metric([name, rname, str(rk)], n)
             lay = pool.get("layout")
             if lay is not None:
                 for st in LAYOUT_STATUSES:
@@ -241,6 +249,7 @@ class _StateCollector(Collector):
                 ):
                     gaps.add_metric([*rep, kind], getattr(st, kind))
         yield from (entries, nbytes, memo_steps, memo_capacity, homes, families, overrides)
+        yield lowered
         yield from (wipes, sweep_steps, sweep_passes, swept, dead)
         yield from (events, outcomes, lag, gaps)
         yield from (trusted, trust_state, ingest, layout_status, layout_views, layout_held)
@@ -338,8 +347,9 @@ class RouterMetrics:
         self.prediction_outcomes = Counter(
             "kvrouter_prediction_outcomes",
             "Predicted hit of the chosen replica against vLLM's cached_tokens: exact, under or"
-            " over; basis events = the events-only hit (x-kvrouter-predicted-hit), admission ="
-            " events plus the requests routed ahead of it (x-kvrouter-expected-hit)",
+            " over; basis events = the events-only hit (x-kvrouter-predicted-hit), in_flight ="
+            " events plus the requests routed ahead of it (x-kvrouter-in-flight-hit), admission"
+            " = that minus the evictions their allocations will cause (x-kvrouter-expected-hit)",
             ["pool", "basis", "outcome"],
             registry=r,
         )

@@ -189,8 +189,8 @@ def finish(
     if decisions is not None and choice is not None:
         decisions.record(
             Kept(time.time(), request_id, pool, choice.decision, choice.prediction,
-                 choice.speculative, choice.num_tokens, choice.reason, out.attempts, status,
-                 choice.cached_tokens, added, total)
+                 choice.speculative, choice.admission, choice.num_tokens, choice.reason,
+                 out.attempts, status, choice.cached_tokens, added, total)
         )  # fmt: skip
     level = logging.WARNING if status >= 500 else logging.INFO
     if not log.isEnabledFor(level):

@@ -30,9 +30,11 @@ Raw ASGI (no framework on the hot path; see bench/proxy_bench.py for what it cos
   keep-alive pool), which is how vLLM learns to abort the request. Counted in
   ``kvrouter_client_disconnects_total{pool,phase}``.
 * Response headers ``x-kvrouter-replica`` (``name`` or ``name/dp<rank>`` with several ranks),
-  ``x-kvrouter-predicted-hit`` (the hit the events confirm) and ``x-kvrouter-expected-hit``
-  (the admission-time hit: events plus the requests routed there ahead of this one,
-  router.core.speculative) say where the request went and what hit was expected.
+  ``x-kvrouter-predicted-hit`` (the hit the events confirm), ``x-kvrouter-in-flight-hit``
+  (plus the blocks the requests routed there ahead of this one will cache,
+  router.core.speculative) and ``x-kvrouter-expected-hit`` (the admission-time hit: that,
+  minus what their allocations will evict first, router.core.eviction_forecast) say where
+  the request went and what hit was expected.
 * **Prediction error loop.** When the response carries
   ``usage.prompt_tokens_details.cached_tokens`` it is compared with the prediction for the
   chosen replica: metrics per replica, and mismatches kept for ``GET /admin/mismatches``.
@@ -409,15 +411,14 @@ class Proxy:
         if (rank_header := rep.cfg.rank_header) is not None:
             headers.append((rank_header.encode(), str(rank).encode()))
         # the events-only prediction, and the admission-time one (events + the requests
-        # routed ahead of this one: the speculative overlay, when it could change the hit)
+        # routed ahead of this one - the speculative overlay, when it could change the hit -
+        # minus what their allocations will evict: the eviction forecast)
         hit: ReplicaHit | None = None
         if choice.prediction is not None:
             with contextlib.suppress(KeyError):
                 hit = choice.prediction.hit(key)
-        expected = hit
-        if choice.speculative is not None:
-            with contextlib.suppress(KeyError):
-                expected = choice.speculative.hit(key)
+        ahead = choice.in_flight_hit(key)
+        expected = choice.expected_hit(key)
         predicted = hit.hit_tokens if hit is not None else 0
         label = key[0] if len(rep.ranks) == 1 else f"{key[0]}/dp{rank}"
         # the prefill it still owes uses the hit the policy ranked with: a request stacked on
@@ -451,6 +452,7 @@ class Proxy:
                     (b"x-kvrouter-replica", label.encode()),
                     (b"x-kvrouter-predicted-hit", str(predicted).encode()),
                     (b"x-kvrouter-expected-hit", str(_tokens(expected)).encode()),
+                    (b"x-kvrouter-in-flight-hit", str(_tokens(ahead)).encode()),
                 ]
                 is_sse = stream and status == 200
                 if not is_sse:
@@ -467,6 +469,7 @@ class Proxy:
                     rep.release_pending(rank, pending)
                     pending = 0
                     attempt_answered(choice.pool, rep)
+                    choice.pool.answering(choice)
                     out_headers.append(_clen(data))
                     await send(
                         {"type": "http.response.start", "status": status, "headers": out_headers}
@@ -474,7 +477,7 @@ class Proxy:
                     await send({"type": "http.response.body", "body": data})
                     first = False
                     if status == 200:
-                        self._check(choice, hit, expected, key, label, data, request_id)
+                        self._check(choice, hit, ahead, expected, key, label, data, request_id)
                     return
                 tail = b""
                 stripper = UsageStripper() if strip_usage else None
@@ -484,6 +487,7 @@ class Proxy:
                             rep.release_pending(rank, pending)
                             pending = 0
                             attempt_answered(choice.pool, rep)
+                            choice.pool.answering(choice)
                             await send(
                                 {
                                     "type": "http.response.start",
@@ -527,7 +531,7 @@ class Proxy:
                 await send({"type": "http.response.body", "body": rest, "more_body": False})
                 if stripper is not None and stripper.usage is not None:
                     tail = stripper.usage
-                self._check(choice, hit, expected, key, label, tail, request_id)
+                self._check(choice, hit, ahead, expected, key, label, tail, request_id)
             finally:
                 await resp.aclose()  # closes the connection unless the answer was read whole
         except asyncio.CancelledError:
@@ -540,6 +544,7 @@ class Proxy:
                 # in flight no more: its entries get the grace for its last events (a failover
                 # discards them right after this, a cancelled start did above)
                 choice.pool.speculative.finish(choice.insertion)
+            choice.pool.ended(choice)
             rep.request_finished(rank, pending)
             gauge.dec()
             if attempt is not None:
@@ -552,6 +557,7 @@ class Proxy:
         self,
         choice: RouteChoice,
         hit: ReplicaHit | None,
+        ahead: ReplicaHit | None,
         expected: ReplicaHit | None,
         key: tuple[str, int],
         label: str,
@@ -559,9 +565,11 @@ class Proxy:
         request_id: bytes,
     ) -> None:
         """Compare the reported hit with the prediction (prediction error loop); ``hit`` is
-        the chosen replica's row of ``choice.prediction``, ``expected`` its admission-time
-        row. Only the events-only prediction feeds the mismatch log and learning: a request
-        routed ahead that has not run yet explains an admission-time miss, not the index."""
+        the chosen replica's row of ``choice.prediction``, ``ahead`` the same counting the
+        requests routed ahead, ``expected`` its admission-time row (``ahead`` after the
+        eviction forecast). Only the events-only prediction feeds the mismatch log and
+        learning: a request routed ahead that has not run yet explains an admission-time miss,
+        not the index."""
         pred = choice.prediction
         if pred is None or hit is None:
             return
@@ -576,6 +584,7 @@ class Proxy:
         pool, rank = choice.pool.name, str(key[1])
         outcomes = metrics.prediction_outcomes
         outcomes.labels(pool, "events", _outcome(predicted, actual)).inc()
+        outcomes.labels(pool, "in_flight", _outcome(_tokens(ahead), actual)).inc()
         outcomes.labels(pool, "admission", _outcome(_tokens(expected), actual)).inc()
         metrics.prediction_checked.labels(pool, key[0], rank).inc()
         metrics.prediction_error.labels(pool, key[0], rank).observe(err)

@@ -85,11 +85,14 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
     parsed = parse_vllm_metrics(r.content)
     rep.running, rep.waiting = parsed["running"], parsed["waiting"]
     rep.kv_usage = parsed["kv_usage"]
+    if parsed["num_gpu_blocks"]:  # an info gauge: keep the last seen if a scrape lacks it
+        rep.num_gpu_blocks = parsed["num_gpu_blocks"]
     rep.others_running, rep.others_waiting = others_load(
         parsed["running"], parsed["waiting"], before, rep.in_flight
     )
     rep.finished = parsed["finished"]
     rep.scraped_at = time.time()
+    rep.scraped_mono = time.monotonic()
     rep.scrape_error = None
     pool.scraped(rep, {r: max(before.get(r, 0), n) for r, n in rep.in_flight.items()})
     started = parse_start_time(r.content)

@@ -28,6 +28,7 @@ from events.stream import StreamSpec, StreamStats
 from events.subscriber import AsyncSubscriber, SubscriberError
 from router.config import PoolConfig, ReplicaConfig, RouterConfig
 from router.core.affinity import PrefixHomes
+from router.core.eviction_forecast import EvictionForecast, Ticket
 from router.core.health import ReplicaHealth
 from router.core.index import KVIndex, ReplicaKey
 from router.core.policy import (
@@ -104,7 +105,12 @@ class ReplicaState:
     scrape interval later (a stale count pushed sequential requests off the replica that had
     just cached their prefix)."""
     kv_usage: dict[int, float] = field(default_factory=dict)
+    num_gpu_blocks: dict[int, float] = field(default_factory=dict)
+    """Per rank, the blocks of its KV cache (``vllm:cache_config_info``): with ``kv_usage``
+    the free blocks the eviction forecast starts from (router.core.eviction_forecast)."""
     scraped_at: float | None = None
+    scraped_mono: float | None = None
+    """``scraped_at`` on the monotonic clock (the eviction forecast's ``since``)."""
     scrape_error: str | None = None
     started_at: float | None = None
     """The replica's ``process_start_time_seconds`` (its epoch; router.server.scrape)."""
@@ -248,6 +254,27 @@ class RouteChoice:
     prediction check; the last decisions show it, router.server.decisions)."""
     sent_at: float = 0.0
     """When (monotonic) the request was last sent upstream (the eviction-order proof)."""
+    admission: ReplicaHit | None = None
+    """The chosen replica's hit once the requests queued ahead there have evicted what the
+    forecast says they will (router.core.eviction_forecast); None: the forecast changes
+    nothing (the admission-time hit is the speculative, else the events-only one)."""
+    ticket: Ticket | None = None
+    """Its place in the forecast's queue of allocations ahead (until its answer begins)."""
+
+    def expected_hit(self, key: ReplicaKey) -> ReplicaHit | None:
+        """The admission-time hit on ``key``: what vLLM will find when it admits the request
+        (events, plus the requests routed ahead, minus what their allocations evict)."""
+        if self.admission is not None and self.admission.replica == key:
+            return self.admission
+        return self.in_flight_hit(key)
+
+    def in_flight_hit(self, key: ReplicaKey) -> ReplicaHit | None:
+        """The hit over events plus the requests routed ahead, before any eviction."""
+        for pred in (self.speculative, self.prediction):
+            if pred is not None:
+                with contextlib.suppress(KeyError):
+                    return pred.hit(key)
+        return None
 
 
 class ShortlistMismatch(RuntimeError):
@@ -291,9 +318,15 @@ class PoolState:
                 cfg.policy.speculative_ttl_s,
                 hold_s=cfg.policy.speculative_hold_s,
             )
+        self.forecast: EvictionForecast | None = None
+        if cfg.policy.eviction_forecast:
+            self.forecast = EvictionForecast(self.predictor)
         self.homes: PrefixHomes | None = None
         if cfg.policy.affinity_weight > 0 and cfg.policy.name == "kv":
             self.homes = PrefixHomes(cfg.policy.affinity_chunk_tokens, cfg.policy.affinity_capacity)
+        self.eviction_forecasts: dict[ReplicaKey, int] = {}
+        """Routed requests whose admission-time hit the eviction forecast lowered, by replica
+        (metric ``kvrouter_eviction_forecasts``)."""
         self.fair_share_overrides: dict[ReplicaKey, int] = {}
         """Routed requests whose home lost its credit to the fair share, by home
         (``policy.affinity_fair_share``; metric ``kvrouter_affinity_fair_share_overrides``)."""
@@ -431,12 +464,14 @@ class PoolState:
                 feeder.applied.update(restored)
             rep.feeder = feeder
             on_item: Any = feeder
-            if self.speculative is not None:
-                overlay, streams = self.speculative, rep.streams
+            followers = [f for f in (self.speculative, self.forecast) if f is not None]
+            if followers:
+                streams = rep.streams
 
                 def on_item(item: Any) -> None:
                     feeder(item)
-                    overlay.on_item(streams[item.stream], item)
+                    for f in followers:
+                        f.on_item(streams[item.stream], item)
 
             sub = AsyncSubscriber(
                 specs, on_item=on_item, replay_timeout=self.router.config.index.replay_timeout_s
@@ -747,6 +782,8 @@ class PoolState:
         homes) no longer says where its cache is: it restarted, left rotation or is gone."""
         if self.speculative is not None:
             self.speculative.forget_replica(key)
+        if self.forecast is not None:
+            self.forecast.forget(key)
         if self.homes is not None:
             self.homes.forget_replica(key)
 
@@ -755,8 +792,106 @@ class PoolState:
         (speculative entries, prefix homes) did not happen."""
         if self.speculative is not None:
             self.speculative.discard(choice.insertion)
+        self.ended(choice)
         if self.homes is not None and choice.homed:
             self.homes.withdraw(choice.homed, choice.decision.chosen.key)
+
+    def answering(self, choice: RouteChoice) -> None:
+        """``choice``'s answer began: vLLM admitted it (its allocation is no longer ahead of
+        anyone, router.core.eviction_forecast)."""
+        if self.forecast is not None:
+            self.forecast.admitted(choice.ticket)
+
+    def ended(self, choice: RouteChoice) -> None:
+        """``choice``'s request left its replica (answered, failed or cancelled)."""
+        if self.forecast is not None:
+            self.forecast.ended(choice.ticket)
+            choice.ticket = None
+
+    def _admission(
+        self, key: ReplicaKey, token_ids: list[int], keys: Any, hit: ReplicaHit | None
+    ) -> ReplicaHit | None:
+        """The admission-time hit on ``key`` once the requests queued ahead there have evicted
+        what the forecast says they will (None: the hit stands). Called before the overlay
+        records this request: its own future blocks must not count."""
+        forecast = self.forecast
+        if forecast is None or hit is None or not hit.trusted or hit.hit_tokens <= 0:
+            return None
+        rep = self.replicas.get(key[0])
+        waiting = since = None
+        if rep is not None and rep.scraped_mono is not None:
+            waiting, since = _get(rep.waiting, key[1]), rep.scraped_mono
+        view = self.speculative.view if self.speculative is not None else self.index
+        after = forecast.predict(
+            view,
+            key,
+            self.index.slot_bit(key),
+            token_ids,
+            keys,
+            self.free_blocks(key),
+            waiting,
+            since,
+        )
+        return after if after is not None and after.hit_tokens < hit.hit_tokens else None
+
+    def forecast_explained(
+        self, key: ReplicaKey, token_ids: list[int] | None, body: dict[str, Any], hit: Any
+    ) -> dict[str, Any] | None:
+        """What explain shows of the eviction forecast on ``key``: the blocks queued ahead,
+        the free blocks, the cached keys the model has as free, how many the queue ahead
+        evicts and the hit left (``hit_tokens``, None when it stands); None when off."""
+        forecast = self.forecast
+        if forecast is None:
+            return None
+        rep = self.replicas.get(key[0])
+        waiting = since = None
+        if rep is not None and rep.scraped_mono is not None:
+            waiting, since = _get(rep.waiting, key[1]), rep.scraped_mono
+        free = self.free_blocks(key)
+        q = forecast.queues.get(key)
+        admission = None
+        if token_ids:
+            keys = body_request_keys(body, self.cfg.lora_adapters)[0]
+            admission = self._admission(key, token_ids, keys, hit)
+        return {
+            "ahead_blocks": forecast.ahead(key),
+            "free_blocks": free[0] if free is not None else None,
+            "free_cached_keys": q.free_cached if q is not None else 0,
+            "evicted_keys": len(forecast.evicted(key, free, waiting, since)),
+            "hit_tokens": admission.hit_tokens if admission is not None else None,
+        }
+
+    def free_blocks(self, key: ReplicaKey) -> tuple[int, int] | None:
+        """``key``'s free KV blocks at its last scrape and its usable ones (None: its
+        metrics do not say)."""
+        rep = self.replicas.get(key[0])
+        if rep is None:
+            return None
+        usage, total = _get(rep.kv_usage, key[1]), _get(rep.num_gpu_blocks, key[1])
+        if usage is None or total is None or not 0.0 <= usage <= 1.0 or total < 2:
+            return None
+        # vLLM's usage leaves its null block out (BlockPool.get_usage)
+        usable = int(total) - 1
+        return round((1.0 - usage) * usable), usable
+
+    def _queue_ticket(self, choice: RouteChoice, keys: Any) -> None:
+        """The request joins the forecast's queue ahead on its replica."""
+        forecast = self.forecast
+        token_ids = choice.token_ids
+        if forecast is None or not token_ids:
+            return
+        key = choice.decision.chosen.key
+        hit = choice.expected_hit(key)
+        hasher = self.predictor.hasher()
+        chain = hasher.lazy_chain(token_ids, keys) if hasher is not None else None
+        choice.ticket = forecast.routed(
+            key,
+            self.index.layout,
+            chain,
+            len(token_ids),
+            hit.hit_tokens if hit is not None else 0,
+            time.monotonic(),
+        )
 
     def wrote(self, rep: ReplicaState, rank: int, new_tokens: int) -> None:
         """A request with ``new_tokens`` uncached prompt tokens was sent to ``rep``: they
@@ -797,7 +932,7 @@ class PoolState:
         explain: bool = False,
         reason: str | None = None,
     ) -> RouteChoice:
-        pred = spec = insertion = new_homes = None
+        pred = spec = insertion = new_homes = admission = None
         if token_ids:
             self.imply_partial(token_ids, body)
             overlay = self.speculative
@@ -829,18 +964,32 @@ class PoolState:
                 new_homes = homes.record(home_keys, decision.chosen.key)
                 for key in decision.crowded:
                     self.fair_share_overrides[key] = self.fair_share_overrides.get(key, 0) + 1
+            if self.forecast is not None and not explain:
+                chosen = decision.chosen.key
+                try:
+                    row = None
+                    with contextlib.suppress(KeyError):
+                        row = (spec if spec is not None else pred).hit(chosen)
+                    admission = self._admission(
+                        chosen, token_ids, body_request_keys(body, self.cfg.lora_adapters)[0], row
+                    )
+                    if admission is not None:
+                        n = self.eviction_forecasts.get(chosen, 0)
+                        self.eviction_forecasts[chosen] = n + 1
+                except Exception:  # a forecast refines a report: never fail a request
+                    log.exception("eviction forecast failed")
             if overlay is not None and not explain:
                 chosen = decision.chosen.key
                 hit = None  # the admission-time hit there: where its junction will be
                 with contextlib.suppress(KeyError):
-                    hit = (spec if spec is not None else pred).hit(chosen).result
+                    hit = (admission or (spec if spec is not None else pred).hit(chosen)).result
                 try:
                     insertion = overlay.record(chosen, token_ids, keys, hit)
                 except Exception:
                     log.exception("speculative insert failed")
         else:
             decision = self.fallback.choose(0, self.candidates(None, exclude), commit=not explain)
-        return RouteChoice(
+        choice = RouteChoice(
             self,
             decision,
             pred,
@@ -852,6 +1001,13 @@ class PoolState:
             insertion,
             new_homes,
         )
+        choice.admission = admission
+        if self.forecast is not None and token_ids and not explain:
+            try:
+                self._queue_ticket(choice, body_request_keys(body, self.cfg.lora_adapters)[0])
+            except Exception:  # a forecast refines a report: never fail a request
+                log.exception("eviction forecast failed")
+        return choice
 
 
 async def _start_times(replicas: list[ReplicaConfig], router: RouterState) -> dict[str, float]:
@@ -948,6 +1104,7 @@ class RouterState:
                 "prefix_homes": p.homes.homes_by_replica() if p.homes is not None else None,
                 "prefix_families": (p.homes.families_by_replica() if p.homes is not None else None),
                 "fair_share_overrides": dict(p.fair_share_overrides),
+                "eviction_forecasts": dict(p.eviction_forecasts),
                 "replica_stats": p.index.stats(),
                 "layout": p.index.layout_state(),
                 "stream_stats": p.stream_stats(),

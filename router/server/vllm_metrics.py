@@ -1,6 +1,6 @@
 """What the router reads in a vLLM replica's Prometheus ``/metrics``: load per engine (DP
-rank) and the process start time, the replica's epoch. Pure parsing; the scrape loop is
-:mod:`router.server.scrape`."""
+rank), its KV cache's size (``vllm:cache_config_info``) and the process start time, the
+replica's epoch. Pure parsing; the scrape loop is :mod:`router.server.scrape`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ _METRIC = re.compile(
     re.M,
 )
 _ENGINE = re.compile(rb'engine="(\d+)"')
+_CACHE_INFO = re.compile(rb"^vllm:cache_config_info\{([^}]*)\}", re.M)
+_GPU_BLOCKS = re.compile(rb'(?:^|,)\s*num_gpu_blocks="(\d+)"')
 _START = re.compile(rb"^process_start_time_seconds(?:\{[^}]*\})?\s+([-+0-9.eE]+)", re.M)
 RESTART_TOLERANCE_S = 0.05
 """Start times closer than this are the same process. The process collector derives the
@@ -29,13 +31,22 @@ _NAMES = {
 
 def parse_vllm_metrics(text: bytes) -> dict[str, dict[int, float]]:
     """running / waiting / kv_usage / finished (requests, every reason) per engine (DP rank;
-    -1 when unlabelled), summed."""
+    -1 when unlabelled), summed; num_gpu_blocks per engine (the info gauge's label: the
+    blocks of its one shared pool, what ``kv_usage`` is a fraction of)."""
     out: dict[str, dict[int, float]] = {
         "running": {},
         "waiting": {},
         "kv_usage": {},
         "finished": {},
+        "num_gpu_blocks": {},
     }
+    for m in _CACHE_INFO.finditer(text):
+        labels = m.group(1)
+        bm = _GPU_BLOCKS.search(labels)
+        if bm is None:
+            continue
+        em = _ENGINE.search(labels)
+        out["num_gpu_blocks"][int(em.group(1)) if em else -1] = float(int(bm.group(1)))
     for m in _METRIC.finditer(text):
         name, labels, value = m.groups()
         em = _ENGINE.search(labels or b"")
