@@ -3,7 +3,10 @@
 homes but no fair share (``affinity_fair_share = 0``), with the defaults (prefix homes and
 their fair share on, the speculative overlay off), with the overlay on and nothing in
 flight, and on with requests in flight that share the request's system prompt (then every
-decision runs a second prediction over index + overlay, and records its own entries).
+decision runs a second prediction over index + overlay, and records its own entries); last
+the defaults with the eviction forecast on (``eviction_forecast = true``) and requests in
+flight on replicas whose metrics say their cache is full, so that every decision walks the
+allocations queued ahead and predicts once more without what they evict.
 
 The pool is the router's own (``router.server.state.PoolState``, no HTTP, no subscribers),
 hybrid full attention + sliding window 128 with 16-token blocks (the shape of the shipped
@@ -58,6 +61,7 @@ def make_pool(
     affinity_weight: float | None = None,
     load_band_tokens: float = 0.0,
     affinity_fair_share: float | None = None,
+    forecast: bool = False,
 ) -> PoolState:
     """The router's own pool (fa + swa 128, 16-token blocks) over replicas with no event
     stream, each reset to known-empty and so trusted (tests/test_speculative.py uses it too).
@@ -81,6 +85,8 @@ speculative_routing = {"true" if routing else "false"}
         toml += f"load_band_tokens = {float(load_band_tokens)}\n"
     if affinity_fair_share is not None:
         toml += f"affinity_fair_share = {float(affinity_fair_share)}\n"
+    if forecast:
+        toml += "eviction_forecast = true\n"
     for name in names:
         toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
     return pool_from_toml(toml)
@@ -109,15 +115,15 @@ def store(pool: PoolState, systems: list[list[int]]) -> None:
     for s, tokens in enumerate(systems):
         wire = hasher.wire_chain(tokens)
         for key in (keys[s % len(keys)], keys[(s + 1) % len(keys)]):
-            pool.index.apply_events(
-                key,
-                [
-                    BlockStored(block_hashes=wire, parent_block_hash=None,
-                                token_ids=tokens[: len(wire) * 16], block_size=16, lora_id=None,
-                                medium="GPU", lora_name=None, group_idx=g)
-                    for g in (0, 1)
-                ],
-            )  # fmt: skip
+            events = [
+                BlockStored(block_hashes=wire, parent_block_hash=None,
+                            token_ids=tokens[: len(wire) * 16], block_size=16, lora_id=None,
+                            medium="GPU", lora_name=None, group_idx=g)
+                for g in (0, 1)
+            ]  # fmt: skip
+            pool.index.apply_events(key, events)
+            if pool.forecast is not None:  # as the subscriber feeds both
+                pool.forecast.on_events(key, events)
 
 
 def run(replicas: int, mode: str, n: int, tokens: int, in_flight: int) -> list[float]:
@@ -125,11 +131,15 @@ def run(replicas: int, mode: str, n: int, tokens: int, in_flight: int) -> list[f
     systems = [[rng.randrange(7, 2048) for _ in range(1000)] for _ in range(SYSTEMS)]
     pool = make_pool(
         [f"r{i}" for i in range(replicas)],
-        speculative=mode not in ("off", "no affinity", "no fair share"),
+        speculative=mode not in ("off", "no affinity", "no fair share", "forecast"),
         affinity_weight=0.0 if mode == "no affinity" else None,
         affinity_fair_share=0.0 if mode == "no fair share" else None,
+        forecast=mode == "forecast",
     )
     store(pool, systems)
+    if mode == "forecast":  # 1 % of 2,000 blocks free; no waiting count: all in flight queue
+        for rep in pool.replicas.values():
+            rep.kv_usage, rep.num_gpu_blocks = {0: 0.99}, {0: 2000.0}
     prompts = [
         systems[rng.randrange(SYSTEMS)] + [rng.randrange(7, 2048) for _ in range(tokens - 1000)]
         for _ in range(n)
@@ -140,6 +150,12 @@ def run(replicas: int, mode: str, n: int, tokens: int, in_flight: int) -> list[f
         t0 = time.perf_counter()
         choice = pool.decide(p, {})
         times.append(time.perf_counter() - t0)
+        if pool.forecast is not None:  # answers begin and end in routing order
+            open_ins.append(choice)
+            if len(open_ins) > in_flight:
+                done = open_ins.pop(0)
+                pool.answering(done)  # type: ignore[arg-type]
+                pool.ended(done)  # type: ignore[arg-type]
         if pool.speculative is not None:
             if mode == "on, idle":
                 pool.speculative.discard(choice.insertion)
@@ -159,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/decide_bench.json")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)  # "no event endpoint configured" per replica: known here
-    modes = ["no affinity", "no fair share", "off", "on, idle", f"on, {args.in_flight} in flight"]
+    flight = f"on, {args.in_flight} in flight"
+    modes = ["no affinity", "no fair share", "off", "on, idle", flight, "forecast"]
     rows = []
     for r in args.replicas:
         cells = {}
         for mode in modes:
-            t = run(r, mode if not mode.endswith("in flight") else "flight", args.n,
+            t = run(r, mode if mode != flight else "flight", args.n,
                     args.tokens, args.in_flight)  # fmt: skip
             t = t[len(t) // 10 :]  # warm-up (hash memo, first inserts) out
             cells[mode] = {
@@ -176,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ndecide() per request, {args.tokens}-token prompts, fa+swa 16-token blocks, "
           f"{args.n} decisions per cell (medians; p90 in brackets)")  # fmt: skip
     print(f"{'replicas':>8} " + " ".join(f"{m:>24}" for m in modes)
-          + "   on/off (in flight)   affinity   fair share")  # fmt: skip
+          + "   on/off (in flight)   affinity   fair share   forecast")  # fmt: skip
     for row in rows:
         cells = " ".join(
             f"{row[m]['p50_us']:>12.1f} [{row[m]['p90_us']:>8.1f}] us"[-24:].rjust(24)
@@ -185,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         ratio = row[modes[4]]["p50_us"] / row["off"]["p50_us"]
         homes = row["no fair share"]["p50_us"] / row["no affinity"]["p50_us"]
         fair = row["off"]["p50_us"] / row["no fair share"]["p50_us"]
-        print(f"{row['replicas']:>8} {cells}   {ratio:.2f}x{'':17}{homes:.2f}x{'':6}{fair:.2f}x")
+        fc = row["forecast"]["p50_us"] / row["off"]["p50_us"]
+        print(f"{row['replicas']:>8} {cells}   {ratio:.2f}x{'':17}{homes:.2f}x{'':6}{fair:.2f}x"
+              f"{'':8}{fc:.2f}x")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "machine": platform.machine()}
     args.out.write_text(json.dumps({"meta": meta, "args": vars(args) | {"out": str(args.out)},

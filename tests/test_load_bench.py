@@ -258,9 +258,14 @@ def test_exactness_is_counted_per_band_of_requests_in_flight() -> None:
         rec(4, 0, 64, 64, error="timeout"),
     ]
     md = exactness_by_load([{"policy": "kv", "records": recs}])
-    assert "| policy | prediction | 1-2 | 3-5 | 6-10 | 11-20 | 21+ |" in md
-    assert "| kv | events-only | 1/1 (100.0 %) | 1/2 (50.0 %) | – | – | 1/2 (50.0 %) |" in md
-    assert "| kv | admission-time | 1/1 (100.0 %) | 2/2 (100.0 %) | – | – | 1/2 (50.0 %) |" in md
+    lines = md.splitlines()
+    head = "| policy | prediction | 1-2 | 3-5 | 6-10 | 11-20 | 21+ | all (under / over) |"
+    assert lines[0] == head
+    # events-only: one under at 4 in flight, one over at 25; the record has no in-flight hit
+    bands = "| – | – | 1/2 (50.0 %) |"
+    assert f"| kv | events-only | 1/1 (100.0 %) | 1/2 (50.0 %) {bands} 3/5 (1 / 1) |" in lines
+    assert f"| kv | admission-time | 1/1 (100.0 %) | 2/2 (100.0 %) {bands} 4/5 (0 / 1) |" in lines
+    assert not any("requests ahead" in line for line in lines)
     # a router with no prediction headers (vllm-router) gets no row
     bare = [{**r, "predicted_hit": None, "expected_hit": None} for r in recs]
     assert "cache_aware" not in exactness_by_load([{"policy": "cache_aware", "records": bare}])

@@ -141,17 +141,22 @@ def exactness_by_load(runs: Sequence[dict[str, Any]]) -> str:
     Issue 17 asks for the admission-time prediction to be exact at about four in flight; a
     round's overall share mixes its calm stretches with its bursts, where a request waits long
     enough for the queue ahead to evict what was predicted (an over-prediction), so each band
-    of load is counted apart."""
+    of load is counted apart; the last column counts every request, with its misses split
+    into under- and over-predictions."""
     tally: dict[tuple[str, str], list[dict[str, int]]] = {}
+    misses: dict[tuple[str, str], dict[str, int]] = {}
     for run in runs:
         for key in PREDICTIONS:
             row = tally.setdefault(
                 (run["policy"], key), [{"exact": 0, "total": 0} for _ in LOAD_BUCKETS]
             )
+            miss = misses.setdefault((run["policy"], key), {"under": 0, "over": 0})
             for r in run.get("records") or ():
                 pred, cached = r.get(key), r.get("cached_tokens")
                 if pred is None or cached is None or r.get("error") is not None:
                     continue
+                if pred != cached:
+                    miss["under" if pred < cached else "over"] += 1
                 n = r.get("in_flight") or 1
                 for i, (lo, hi) in enumerate(LOAD_BUCKETS):
                     if n >= lo and (hi is None or n <= hi):
@@ -160,8 +165,8 @@ def exactness_by_load(runs: Sequence[dict[str, Any]]) -> str:
                         break
     head = " | ".join(_bucket_label(lo, hi) for lo, hi in LOAD_BUCKETS)
     lines = [
-        f"| policy | prediction | {head} |",
-        "|---|---|" + "---|" * len(LOAD_BUCKETS),
+        f"| policy | prediction | {head} | all (under / over) |",
+        "|---|---|" + "---|" * (len(LOAD_BUCKETS) + 1),
     ]
     for policy in _order({p for p, _ in tally}):
         for key, name in PREDICTIONS.items():
@@ -174,6 +179,9 @@ def exactness_by_load(runs: Sequence[dict[str, Any]]) -> str:
                 else "–"
                 for c in row
             )
+            exact, total = sum(c["exact"] for c in row), sum(c["total"] for c in row)
+            m = misses[(policy, key)]
+            cells += f" | {exact}/{total} ({m['under']} / {m['over']})"
             lines.append(f"| {policy} | {name} | {cells} |")
     return "\n".join(lines)
 
