@@ -289,8 +289,12 @@ def decode_batch(payload: bytes | memoryview, *, lazy_token_ids: bool = False) -
         typed = (_typed_lazy_decoder if lazy_token_ids else _typed_decoder).decode(payload)
     except msgspec.ValidationError:
         return _decode_per_event(payload)
-    except msgspec.DecodeError as exc:
-        raise BatchDecodeError(f"not a KV-event batch: {exc}") from None
+    except msgspec.DecodeError:
+        # Bad msgpack somewhere: in the envelope (the salvage path raises BatchDecodeError),
+        # or inside one event, which costs that event only. msgspec >= 0.23 reports a string
+        # that is not UTF-8 this way (DecodeError), where earlier ones raised
+        # UnicodeDecodeError (below).
+        return _decode_per_event(payload)
     except Exception:
         # Not a msgspec error but still the payload's fault: a string that is not UTF-8
         # (UnicodeDecodeError) or nesting too deep (RecursionError). Which event it is in is
