@@ -243,6 +243,12 @@ def test_a_store_starting_past_the_hit_is_the_request_s() -> None:
     assert q.free_cached == 0
     f.ended(t)  # ended before its answer began (cancelled): still frees what it stored
     assert list(q.head(5)) == [(3, w[j]) for j in (2, 1, 0)]
+    # a replica that leaves the pool leaves nothing behind, and its last requests end quietly
+    t2 = f.routed(key, BENCH, hasher.lazy_chain(tokens), 100, 96, now=2.0)
+    f.drop(key)
+    f.admitted(t2)
+    f.ended(t2)
+    assert f.queues == {} and f._ahead == {} and f._owner == {}
 
 
 # ----------------------------------------------------------------- end to end

@@ -265,6 +265,13 @@ class EvictionForecast:
         if q is not None:
             q.clear()
 
+    def drop(self, key: ReplicaKey) -> None:
+        """The replica left the pool: nothing of it is kept (its requests still in flight end
+        without a queue to free into)."""
+        self.queues.pop(key, None)
+        self._ahead.pop(key, None)
+        self._owner.pop(key, None)
+
     # ----------------------------------------------------------------- requests
 
     def routed(
@@ -305,9 +312,10 @@ class EvictionForecast:
             return
         t.admitted = True
         self._unqueue(t)
-        q = self.queue(t.key)
-        q.hold(t.end)  # its hit: touched at admission
-        q.touch(t.early)
+        q = self.queues.get(t.key)
+        if q is not None:  # none: no event from that replica yet, or it left the pool
+            q.hold(t.end)  # its hit: touched at admission
+            q.touch(t.early)
 
     def ended(self, t: Ticket | None) -> None:
         """Its answer ended (or it failed, or was cancelled): what it held is freed."""
@@ -328,7 +336,9 @@ class EvictionForecast:
         order = [k for g in sorted({k[0] for k in (*t.stored, *end)})
                  for k in (*(x for x in reversed(t.stored) if x[0] == g),
                            *(x for x in end if x[0] == g))]  # fmt: skip
-        self.queue(t.key).release(order)
+        q = self.queues.get(t.key)
+        if q is not None:
+            q.release(order)
 
     # ----------------------------------------------------------------- forecast
 

@@ -520,6 +520,8 @@ class PoolState:
                 log.exception("event subscriber of replica %r had failed", name)
         for r in rep.ranks:
             self._forget_routing((name, r))
+            if self.forecast is not None:
+                self.forecast.drop((name, r))
         self.index.remove_replica(name)
         await rep.client.aclose()
         await rep.upstream.aclose()
