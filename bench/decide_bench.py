@@ -140,6 +140,7 @@ def run(replicas: int, mode: str, n: int, tokens: int, in_flight: int) -> list[f
     if mode == "forecast":  # 1 % of 2,000 blocks free; no waiting count: all in flight queue
         for rep in pool.replicas.values():
             rep.kv_usage, rep.num_gpu_blocks = {0: 0.99}, {0: 2000.0}
+            rep.scraped_mono = 0.0
     prompts = [
         systems[rng.randrange(SYSTEMS)] + [rng.randrange(7, 2048) for _ in range(tokens - 1000)]
         for _ in range(n)

@@ -819,21 +819,9 @@ class PoolState:
         forecast = self.forecast
         if forecast is None or hit is None or not hit.trusted or hit.hit_tokens <= 0:
             return None
-        rep = self.replicas.get(key[0])
-        waiting = since = None
-        if rep is not None and rep.scraped_mono is not None:
-            waiting, since = _get(rep.waiting, key[1]), rep.scraped_mono
         view = self.speculative.view if self.speculative is not None else self.index
-        after = forecast.predict(
-            view,
-            key,
-            self.index.slot_bit(key),
-            token_ids,
-            keys,
-            self.free_blocks(key),
-            waiting,
-            since,
-        )
+        bit = self.index.slot_bit(key)
+        after = forecast.predict(view, key, bit, token_ids, keys, *self._scraped(key))
         return after if after is not None and after.hit_tokens < hit.hit_tokens else None
 
     def forecast_explained(
@@ -845,11 +833,8 @@ class PoolState:
         forecast = self.forecast
         if forecast is None:
             return None
-        rep = self.replicas.get(key[0])
-        waiting = since = None
-        if rep is not None and rep.scraped_mono is not None:
-            waiting, since = _get(rep.waiting, key[1]), rep.scraped_mono
-        free = self.free_blocks(key)
+        scraped = self._scraped(key)
+        free = scraped[0]
         q = forecast.queues.get(key)
         admission = None
         if token_ids:
@@ -859,22 +844,24 @@ class PoolState:
             "ahead_blocks": forecast.ahead(key),
             "free_blocks": free[0] if free is not None else None,
             "free_cached_keys": q.free_cached if q is not None else 0,
-            "evicted_keys": len(forecast.evicted(key, free, waiting, since)),
+            "evicted_keys": len(forecast.evicted(key, *scraped)),
             "hit_tokens": admission.hit_tokens if admission is not None else None,
         }
 
-    def free_blocks(self, key: ReplicaKey) -> tuple[int, int] | None:
-        """``key``'s free KV blocks at its last scrape and its usable ones (None: its
-        metrics do not say)."""
+    def _scraped(
+        self, key: ReplicaKey
+    ) -> tuple[tuple[int, int] | None, float | None, float | None]:
+        """What the forecast reads of ``key``'s last scrape: ``(free, usable)`` KV blocks
+        (None: its metrics do not say), its waiting requests and when (monotonic)."""
         rep = self.replicas.get(key[0])
-        if rep is None:
-            return None
+        if rep is None or rep.scraped_mono is None:
+            return None, None, None
+        blocks = None
         usage, total = _get(rep.kv_usage, key[1]), _get(rep.num_gpu_blocks, key[1])
-        if usage is None or total is None or not 0.0 <= usage <= 1.0 or total < 2:
-            return None
-        # vLLM's usage leaves its null block out (BlockPool.get_usage)
-        usable = int(total) - 1
-        return round((1.0 - usage) * usable), usable
+        if usage is not None and total is not None and 0.0 <= usage <= 1.0 and total >= 2:
+            usable = int(total) - 1  # vLLM's usage leaves its null block out (get_usage)
+            blocks = round((1.0 - usage) * usable), usable
+        return blocks, _get(rep.waiting, key[1]), rep.scraped_mono
 
     def _queue_ticket(self, choice: RouteChoice, keys: Any) -> None:
         """The request joins the forecast's queue ahead on its replica."""
@@ -934,7 +921,7 @@ class PoolState:
         explain: bool = False,
         reason: str | None = None,
     ) -> RouteChoice:
-        pred = spec = insertion = new_homes = admission = None
+        pred = spec = insertion = new_homes = admission = req_keys = None
         if token_ids:
             self.imply_partial(token_ids, body)
             overlay = self.speculative
@@ -972,9 +959,8 @@ class PoolState:
                     row = None
                     with contextlib.suppress(KeyError):
                         row = (spec if spec is not None else pred).hit(chosen)
-                    admission = self._admission(
-                        chosen, token_ids, body_request_keys(body, self.cfg.lora_adapters)[0], row
-                    )
+                    req_keys = body_request_keys(body, self.cfg.lora_adapters)[0]
+                    admission = self._admission(chosen, token_ids, req_keys, row)
                     if admission is not None:
                         n = self.eviction_forecasts.get(chosen, 0)
                         self.eviction_forecasts[chosen] = n + 1
@@ -1006,7 +992,7 @@ class PoolState:
         choice.admission = admission
         if self.forecast is not None and token_ids and not explain:
             try:
-                self._queue_ticket(choice, body_request_keys(body, self.cfg.lora_adapters)[0])
+                self._queue_ticket(choice, req_keys)
             except Exception:  # a forecast refines a report: never fail a request
                 log.exception("eviction forecast failed")
         return choice
