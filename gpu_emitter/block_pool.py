@@ -1,11 +1,13 @@
 """The physical block pool of the simulated KV cache (vLLM 0.32's ``v1/core/block_pool.py``).
 
 One free queue and one prefix-cache map shared by all KV-cache groups. A block id belongs to
-one group at a time. Freed blocks go to the tail of the free queue, allocation takes the head,
-and a cached block taken from the head is evicted there and then (lazy LRU eviction),
-emitting one ``BlockRemoved`` per key with that key's ``group_idx`` (spec §2.2). Callers free
-a request's blocks tail first (vLLM's ``reversed(req_blocks)``), group 0 first, so the tail of
-a sequence is evicted before its head.
+one group at a time. Freed cached blocks go to the tail of the free queue, freed uncached
+ones (a sliding window's blocks behind the window, a partial tail) to its head, to be reused
+first; allocation takes the head, and a cached block taken from the head is evicted there
+and then (lazy LRU eviction), emitting one ``BlockRemoved`` per key with that key's
+``group_idx`` (spec §2.2). Callers free a request's blocks tail first (vLLM's
+``reversed(req_blocks)``), group 0 first, so the tail of a sequence is evicted before its
+head. tests/test_block_pool_vs_vllm.py holds the queue order to vLLM's own ``BlockPool``.
 
 This module knows blocks and keys only: which blocks a group needs is
 :mod:`gpu_emitter.managers`' business, and the hit is :mod:`gpu_emitter.coordinator`'s, which
@@ -110,13 +112,22 @@ class BlockPoolCore:
             self.ref[bid] += 1
 
     def free_blocks(self, ordered: Iterable[int]) -> None:
-        """Release blocks in the given order; the ones no request holds join the tail."""
+        """Release blocks in the given order: the cached ones no request holds join the tail
+        (LRU), the uncached ones go to the head, to be reused first (0.32's ``free_blocks``:
+        ``prepend_n``, keeping their order)."""
         blocks = [b for b in ordered if b != NULL_BLOCK]
         for bid in blocks:
             self.ref[bid] -= 1
+        first = []
         for bid in blocks:
             if self.ref[bid] == 0:
-                self.free_queue[bid] = None
+                if self.key[bid] is None:
+                    first.append(bid)
+                else:
+                    self.free_queue[bid] = None
+        for bid in reversed(first):
+            self.free_queue[bid] = None
+            self.free_queue.move_to_end(bid, last=False)
 
     def insert(self, bid: int, group: int, wire: Any) -> None:
         """Key block ``bid`` of ``group`` by ``wire`` (no event: see :meth:`cache_full_blocks`)."""

@@ -36,11 +36,12 @@ since the last clean scrape are retired and predictions stay the plain lower bou
 sees another client up to a scrape interval late: a proof made in that interval may be wrong
 until then (the price of reading the premise from metrics).
 
-Measured (``KVROUTER_LATE_ATTACH_SEED=N pytest -s tests/test_late_attach.py -k converges``):
-seeds 5-24, 2,999 of 3,000 requests exact once the proof armed (the miss: a first touch);
-seeds 5-12 without it 1,180 of 1,200. An earlier second proof (the eviction of a block no
-request or event had named proves every eviction before it took a block freed before ``T``)
-added nothing on top of this one there and needed a record of every key seen, so it went.
+Measured (``KVROUTER_LATE_ATTACH_SEED=N pytest -s tests/test_late_attach.py -k converges``,
+200 blocks per replica): seeds 5-24, 2,999 of 3,000 requests exact once the proof armed (the
+miss: a first touch); seeds 5-12 without it 1,173 of 1,200. An earlier second proof (the
+eviction of a block no request or event had named proves every eviction before it took a
+block freed before ``T``) added nothing on top of this one there and needed a record of every
+key seen, so it went.
 
 Everything here is pure: no I/O, no clock (times are passed in).
 """
