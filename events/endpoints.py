@@ -46,7 +46,7 @@ def validate_endpoint(endpoint: str, *, what: str = "endpoint") -> str:
     if m is None:
         raise EndpointError(hint)
     port = m["port"]
-    if port != "*" and not (port.isdigit() and int(port) <= 65535):
+    if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):
         raise EndpointError(
             f"{what} {endpoint!r} has port {port!r}; the port must be a number "
             "from 0 to 65535 (or * to bind an ephemeral port), e.g. tcp://127.0.0.1:5557"
@@ -74,7 +74,7 @@ def offset_endpoint_port(endpoint: str, data_parallel_rank: int) -> str:
             )
         return endpoint
     base, _, port = endpoint.rpartition(":")
-    if not port.isdigit() or int(port) == 0 or data_parallel_rank == 0:
+    if not (port.isascii() and port.isdigit()) or int(port) == 0 or data_parallel_rank == 0:
         return endpoint
     return f"{base}:{int(port) + data_parallel_rank}"
 

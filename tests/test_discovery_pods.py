@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from router.config import ConfigError, KubernetesConfig, ReplicaConfig, parse_config
@@ -261,6 +261,9 @@ _paths = st.sampled_from([
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.tuples(_paths, _json), max_size=4))
+# digits str.isdigit() accepts and int() refuses (found by this test)
+@example([(("metadata", "annotations", "kvrouter.io/http-port"), "\u00b9")])
+@example([(("metadata", "annotations", "kvrouter.io/dp-ranks"), "0,\u00b2")])
 def test_hostile_pod_fields_never_raise_anything_but_pod_refused(
     edits: list[tuple[tuple[str, ...], Any]],
 ) -> None:

@@ -925,6 +925,9 @@ def test_bad_specs_raise_clear_errors() -> None:
         Subscriber([])
     with pytest.raises(EndpointError, match="replay_endpoint"):
         Subscriber([StreamSpec("a", "tcp://127.0.0.1:1", replay_endpoint="tcp://x:y")])
+    # a Unicode digit that int() refuses ('¹'.isdigit() is True): the same clear error
+    with pytest.raises(EndpointError, match="the port must be a number"):
+        Subscriber([StreamSpec("a", "tcp://127.0.0.1:\u00b9")])
 
 
 def test_unknown_events_are_delivered_and_counted() -> None:

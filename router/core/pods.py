@@ -72,7 +72,7 @@ def _port(annotations: Mapping[str, Any], key: str, default: int, *, zero: bool)
     if raw is None:
         return default
     text = str(raw).strip()
-    if not text.isdigit() or not (0 if zero else 1) <= int(text) <= 65535:
+    if not (text.isascii() and text.isdigit()) or not (0 if zero else 1) <= int(text) <= 65535:
         low = 0 if zero else 1
         raise PodRefused(
             "bad_annotation", f"annotation {key}={raw!r}: must be a port number {low}..65535"
@@ -88,7 +88,7 @@ def _ranks(annotations: Mapping[str, Any]) -> tuple[int, ...]:
     if (
         not parts
         or len(parts) > MAX_DP_RANKS
-        or not all(p.isdigit() and int(p) < MAX_DP_RANKS for p in parts)
+        or not all(p.isascii() and p.isdigit() and int(p) < MAX_DP_RANKS for p in parts)
     ):
         raise PodRefused(
             "bad_annotation",
