@@ -8,3 +8,10 @@ from router.server.state import PoolState
 # is checked against the full scan: same replica, scores, tie count and RNG use. A change
 # to a replica's load that bypasses ReplicaState.touch fails the test that makes it.
 PoolState.check_shortlist = True
+
+
+def pytest_configure(config: object) -> None:
+    # a killed run still stops what its fixtures started (tests/sigterm_teardown.py)
+    from tests.sigterm_teardown import install
+
+    install()
