@@ -105,6 +105,54 @@ def test_other_clients_load_steers_the_route(cluster: Cluster) -> None:  # noqa:
     wait_for(lambda: load() == {"a": 0, "b": 0, "c": 0}, 10, "the next scrape")
 
 
+def test_label_values_that_are_not_ranks_or_counts_are_skipped() -> None:
+    huge = b"9" * 5000  # int() refuses it (CPython's digit limit); 400 digits overflow float
+    text = (
+        b'vllm:num_requests_running{engine="' + huge + b'"} 7.0\n'
+        b'vllm:num_requests_running{engine="one"} 5.0\n'
+        b'vllm:num_requests_running{engine="\xc2\xb9"} 4.0\n'  # '\u00b9' in UTF-8
+        b'vllm:num_requests_running{my_engine="3",engine="1"} 2.0\n'
+        b'vllm:num_requests_waiting{my_engine="3"} 1.0\n'
+        b'vllm:cache_config_info{engine="0",num_gpu_blocks="' + b"9" * 400 + b'"} 1.0\n'
+        b'vllm:cache_config_info{engine="1",num_gpu_blocks="640"} 1.0\n'
+        b'vllm:cache_config_info{engine="' + huge + b'",num_gpu_blocks="640"} 1.0\n'
+    )
+    parsed = parse_vllm_metrics(text)
+    assert parsed["running"] == {1: 2.0}  # my_engine is another label, not the rank
+    assert parsed["waiting"] == {-1: 1.0}
+    assert parsed["num_gpu_blocks"] == {1: 640.0}
+
+
+metric_names = st.sampled_from([
+    b"vllm:num_requests_running", b"vllm:num_requests_waiting", b"vllm:kv_cache_usage_perc",
+    b"vllm:request_success_total", b"vllm:cache_config_info", b"process_start_time_seconds",
+])  # fmt: skip
+label_values = st.one_of(st.binary(max_size=12), st.text(max_size=6).map(str.encode),
+                         st.integers(0, 10**600).map(lambda n: str(n).encode()))  # fmt: skip
+labels = st.lists(
+    st.tuples(st.sampled_from([b"engine", b"num_gpu_blocks", b"model_name", b"x"]), label_values),
+    max_size=3,
+).map(lambda kv: b"{" + b",".join(k + b'="' + v + b'"' for k, v in kv) + b"}")
+values = st.one_of(
+    st.floats(allow_nan=True).map(lambda f: repr(f).encode()),
+    st.integers(-(10**600), 10**600).map(lambda n: str(n).encode()),
+    st.binary(max_size=8),
+)
+lines = st.one_of(
+    st.tuples(metric_names, labels | st.just(b""), values).map(lambda t: t[0] + t[1] + b" " + t[2]),
+    st.binary(max_size=40),
+)
+
+
+@given(st.lists(lines, max_size=8).map(b"\n".join))
+def test_any_metrics_page_parses_without_raising(text: bytes) -> None:
+    parsed = parse_vllm_metrics(text)
+    for per_rank in parsed.values():
+        assert all(-1 <= rank < 10**15 for rank in per_rank)
+    start = parse_start_time(text)
+    assert start is None or isinstance(start, float)
+
+
 def test_the_start_time_is_read_as_vllm_exports_it() -> None:
     # as vLLM 0.32's API server serves it (prometheus_client's process collector)
     text = (
