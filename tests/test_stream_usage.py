@@ -13,7 +13,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.server.stream_usage import UsageStripper, request_usage
+from router.server.stream_usage import UsageStripper, reported_cached_tokens, request_usage
 
 CONTENT = [
     b'data: {"id":"c1","object":"text_completion","created":1,"model":"m",'
@@ -110,3 +110,30 @@ def test_an_unterminated_giant_event_is_not_buffered_without_bound() -> None:
     s = UsageStripper()
     blob = b"data: " + b"x" * (2 << 20)
     assert s.feed(blob) == blob
+
+
+def test_reported_cached_tokens_reads_vllms_usage_and_refuses_what_is_not_a_count() -> None:
+    assert reported_cached_tokens(USAGE) == 32
+    assert reported_cached_tokens(STREAM) == 32
+    assert reported_cached_tokens(b"".join(CONTENT)) is None  # no usage: nothing to check
+    # the last one counts (a tail holding two usage events)
+    assert reported_cached_tokens(USAGE.replace(b"32", b"16") + b"\n\n" + USAGE) == 32
+    assert reported_cached_tokens(b'{"cached_tokens": 7}') == 7
+    # a broken or hostile replica: no number the router would act on
+    assert reported_cached_tokens(b'{"cached_tokens":' + b"9" * 5000 + b"}") is None
+    assert reported_cached_tokens(b'{"cached_tokens": 3.5}') is None
+    assert reported_cached_tokens(b'{"cached_tokens": 2e9}') is None
+    assert reported_cached_tokens(b'{"cached_tokens": -4}') is None
+    assert reported_cached_tokens(b'{"cached_tokens": "12"}') is None
+    assert reported_cached_tokens(b'{"cached_tokens": \xd9\xa3}') is None  # Arabic-Indic 3
+
+
+digits = st.tuples(st.integers(1, 6000), st.sampled_from(b"0123456789")).map(
+    lambda t: bytes([t[1]]) * t[0]
+) | st.integers(0, 10**20).map(lambda n: str(n).encode())
+
+
+@given(st.binary(max_size=64), digits, st.binary(max_size=8))
+def test_reported_cached_tokens_never_raises(head: bytes, n: bytes, tail: bytes) -> None:
+    got = reported_cached_tokens(head + b'"cached_tokens": ' + n + tail)
+    assert got is None or 0 <= got < 10**15

@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 import uuid
 from typing import Any
@@ -62,7 +61,7 @@ from router.server.health import attempt_answered, attempt_failed, begin_attempt
 from router.server.logs import kv
 from router.server.outcome import outcome_of
 from router.server.state import ReplicaState, RouteChoice, RouterState
-from router.server.stream_usage import UsageStripper, request_usage
+from router.server.stream_usage import UsageStripper, reported_cached_tokens, request_usage
 from router.server.upstream import UpstreamError
 
 __all__ = ["HOP_BY_HOP", "Proxy"]
@@ -89,7 +88,6 @@ HOP_BY_HOP = frozenset(
 _DROP_DOWN = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server"}
 )
-_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.encode
 _TAIL = 8192
@@ -573,10 +571,9 @@ class Proxy:
         pred = choice.prediction
         if pred is None or hit is None:
             return
-        found = _CACHED.findall(data)
-        if not found:
+        actual = reported_cached_tokens(data)
+        if actual is None:
             return
-        actual = int(found[-1])
         choice.cached_tokens = actual
         predicted = hit.hit_tokens
         err = abs(actual - predicted)

@@ -21,11 +21,15 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["UsageStripper", "request_usage"]
+__all__ = ["UsageStripper", "reported_cached_tokens", "request_usage"]
 
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.encode
 _USAGE = b'"usage"'
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,15})(?![\d.eE])')
+"""At most 15 digits (no prompt is near a quadrillion tokens): a longer number is a broken or
+hostile answer, and a thousands-digit one would make ``int`` refuse it. A fraction or an
+exponent is not a token count either."""
 _MAX_HELD = 1 << 20
 """An event this large without its terminating blank line is forwarded as it is rather
 than held (a broken upstream must not make the router buffer without bound)."""
@@ -121,3 +125,11 @@ def _last_event_end(data: bytes) -> int:
     a = data.rfind(b"\n\n")
     b = data.rfind(b"\r\n\r\n")
     return max(a + 2 if a >= 0 else -1, b + 4 if b >= 0 else -1)
+
+
+def reported_cached_tokens(data: bytes) -> int | None:
+    """The last ``cached_tokens`` in an answer's body (or its streamed tail), None if it has
+    none that is a token count: vLLM reports it once, in ``usage.prompt_tokens_details``; the
+    last one is that of the final usage event when a stream's tail holds several."""
+    found = _CACHED.findall(data)
+    return int(found[-1]) if found else None
