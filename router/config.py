@@ -811,7 +811,7 @@ def _coerce(cls: type, field: str, value: Any) -> Any:
     """A string from env or flags, as the field's type wants it (the Struct validates)."""
     if not isinstance(value, str):
         return value
-    default = getattr(cls(), field)
+    default = getattr(cls(), field, None)  # an unknown field: the Struct refuses it by name
     if isinstance(default, tuple):  # a list from env: comma-separated
         return [x.strip() for x in value.split(",") if x.strip()]
     if isinstance(default, bool):
@@ -849,6 +849,14 @@ def convert_config(
     flags build, router.config_flags) after merging ``overrides`` into it; errors become
     :class:`ConfigError` naming ``source`` and the field's path."""
     if overrides:
+        for section, values in overrides.items():
+            given = data.get(section)
+            if values and given is not None and not isinstance(given, dict):
+                raise ConfigError(
+                    f"{source}: `{section}` must be a table ([{section}]), not "
+                    f"{type(given).__name__} {given!r}: the environment or flags set "
+                    f"{', '.join(sorted(values))} in it"
+                )
         apply_overrides(data, overrides)
     try:
         return msgspec.convert(data, RouterConfig)

@@ -115,6 +115,21 @@ def test_bad_env_value_is_reported_with_its_field(tmp_path: Path) -> None:
         load_config(f, environ={"KVROUTER_PORT": "eighty"})
 
 
+@pytest.mark.parametrize("section", ["server = 5", "server = [1]", "server = 'x'"])
+def test_a_section_that_is_not_a_table_under_env_overrides_is_a_config_error(
+    tmp_path: Path, section: str
+) -> None:
+    f = tmp_path / "r.toml"
+    f.write_text(section + "\n" + MINIMAL)
+    with pytest.raises(ConfigError, match=r"`server` must be a table \(\[server\]\).*sets? port"):
+        load_config(f, environ={"KVROUTER_PORT": "8001"})
+
+
+def test_an_override_of_a_field_the_section_lacks_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="unknown field `capacity`"):
+        parse_config(MINIMAL, overrides={"index": {"capacity": "5"}})
+
+
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "nope.toml", environ={})
