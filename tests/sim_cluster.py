@@ -342,11 +342,15 @@ class SimCluster:
     def sync(self, name: str, timeout: float = 20.0) -> None:
         wait_for(lambda: self.caught_up(name), timeout, f"the router to apply {name}'s events")
 
-    def health(self, name: str) -> dict[str, Any]:
-        """Replica ``name``'s health as ``/admin/replicas`` shows it (router.core.health)."""
+    def replica_row(self, name: str) -> dict[str, Any]:
+        """Replica ``name``'s row of ``/admin/replicas``."""
         r = self.client.get("/admin/replicas", headers=self.admin)
         (rep,) = [x for x in r.json()["replicas"] if x["name"] == name]
-        return rep["health"]
+        return rep
+
+    def health(self, name: str) -> dict[str, Any]:
+        """Replica ``name``'s health as ``/admin/replicas`` shows it (router.core.health)."""
+        return self.replica_row(name)["health"]
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of the router's ``/metrics`` (0 when the series does not exist yet)."""

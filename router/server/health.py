@@ -29,6 +29,7 @@ import httpx
 
 from router.core.health import Change
 from router.server.logs import kv
+from router.server.side_get import side_get
 from router.server.state import PoolState, ReplicaState, RouterState
 
 __all__ = [
@@ -94,11 +95,13 @@ async def probe_replica(pool: PoolState, rep: ReplicaState) -> None:
     """One probe of one replica; never raises."""
     cfg = pool.router.config.health
     error: str | None = None
-    try:
-        r = await rep.client.get(cfg.probe_path, timeout=cfg.probe_timeout_s)
-        if r.status_code != 200:
-            error = f"HTTP {r.status_code}"
-    except httpx.TimeoutException:
+    try:  # the status only, within the timeout whatever the replica sends (side_get)
+        answer = await side_get(
+            rep.client, cfg.probe_path, deadline_s=cfg.probe_timeout_s, max_bytes=0
+        )
+        if answer.status != 200:
+            error = f"HTTP {answer.status}"
+    except (TimeoutError, httpx.TimeoutException):
         error = f"no answer within {cfg.probe_timeout_s:g} s"
     except Exception as exc:  # connect errors, a client closed by remove_replica, ...
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -296,6 +296,13 @@ class RouterMetrics:
             "kvrouter_failovers", "Attempts abandoned before the first byte",
             ["pool", "replica"], registry=r,
         )  # fmt: skip
+        self.scrape_failures = Counter(
+            "kvrouter_metrics_scrape_failures",
+            "Reads of a replica's /metrics that failed, by reason: timeout (no whole answer "
+            "within server.connect_timeout_s), too_large, http_status, unreachable",
+            ["pool", "replica", "reason"],
+            registry=r,
+        )
         self.midstream_failures = Counter(
             "kvrouter_midstream_failures",
             "Streamed responses cut short by the replica failing after the first byte",

@@ -15,8 +15,14 @@ import time
 import httpx
 
 from router.server.logs import kv
+from router.server.side_get import BodyTooLarge, side_get
 from router.server.state import PoolState, ReplicaState, RouterState
-from router.server.vllm_metrics import parse_start_time, parse_vllm_metrics, restarted
+from router.server.vllm_metrics import (
+    MAX_PAGE_BYTES,
+    parse_start_time,
+    parse_vllm_metrics,
+    restarted,
+)
 
 __all__ = ["others_load", "scrape_forever", "scrape_once", "scrape_replica"]
 
@@ -61,11 +67,19 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
         return
     before = dict(rep.in_flight)
     where = {"pool": pool.name, "replica": rep.name, "url": rep.cfg.url + path}
+    error: str | None = None
     try:
-        r = await rep.client.get(path, timeout=timeout)
-        r.raise_for_status()
+        answer = await side_get(rep.client, path, deadline_s=timeout, max_bytes=MAX_PAGE_BYTES)
+        if answer.status >= 400:
+            reason, error = "http_status", f"HTTP {answer.status}"
+    except TimeoutError:
+        reason, error = "timeout", f"no whole answer within {timeout:g} s"
+    except BodyTooLarge as exc:
+        reason, error = "too_large", str(exc)
     except httpx.HTTPError as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        reason, error = "unreachable", f"{type(exc).__name__}: {exc}"
+    if error is not None:
+        pool.router.metrics.scrape_failures.labels(pool.name, rep.name, reason).inc()
         if rep.scrape_error is None:
             log.warning(
                 "metrics scrape of replica %s failed", rep.name, extra=kv(**where, error=error)
@@ -82,7 +96,7 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
         log.info("metrics scrape of replica %s works again", rep.name, extra=kv(**where))
     else:
         log.debug("metrics scrape of replica %s", rep.name, extra=kv(**where))
-    parsed = parse_vllm_metrics(r.content)
+    parsed = parse_vllm_metrics(answer.body)
     rep.running, rep.waiting = parsed["running"], parsed["waiting"]
     rep.kv_usage = parsed["kv_usage"]
     if parsed["num_gpu_blocks"]:  # an info gauge: keep the last seen if a scrape lacks it
@@ -95,7 +109,7 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
     rep.scraped_mono = time.monotonic()
     rep.scrape_error = None
     pool.scraped(rep, {r: max(before.get(r, 0), n) for r, n in rep.in_flight.items()})
-    started = parse_start_time(r.content)
+    started = parse_start_time(answer.body)
     if restarted(rep.started_at, started):
         old = rep.started_at
         rep.started_at = started
@@ -107,7 +121,9 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
 
 
 async def scrape_once(state: RouterState) -> None:
-    """Scrape every replica of every pool concurrently."""
+    """Scrape every replica of every pool concurrently; each read, body included, ends
+    within ``server.connect_timeout_s`` (router.server.side_get), so one slow replica cannot
+    hold the round."""
     timeout = state.config.server.connect_timeout_s
     reps = [(p, r) for p in state.pools.values() for r in list(p.replicas.values())]
     await asyncio.gather(*(scrape_replica(p, r, timeout) for p, r in reps))

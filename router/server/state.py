@@ -52,8 +52,9 @@ from router.server.decisions import DecisionLog
 from router.server.ingest import IndexFeeder
 from router.server.logs import kv
 from router.server.metrics import RouterMetrics
+from router.server.side_get import BodyTooLarge, side_get
 from router.server.upstream import UpstreamPool
-from router.server.vllm_metrics import parse_start_time, restarted
+from router.server.vllm_metrics import MAX_PAGE_BYTES, parse_start_time, restarted
 
 __all__ = [
     "DiscoveryStatus",
@@ -1008,11 +1009,14 @@ async def _start_times(replicas: list[ReplicaConfig], router: RouterState) -> di
             return rcfg.name, None
         try:
             async with httpx.AsyncClient(base_url=rcfg.url, timeout=timeout) as client:
-                r = await client.get(rcfg.metrics_path)
-                r.raise_for_status()
-        except httpx.HTTPError:
+                answer = await side_get(
+                    client, rcfg.metrics_path, deadline_s=timeout, max_bytes=MAX_PAGE_BYTES
+                )
+        except (httpx.HTTPError, TimeoutError, BodyTooLarge):
             return rcfg.name, None
-        return rcfg.name, parse_start_time(r.content)
+        if answer.status >= 400:
+            return rcfg.name, None
+        return rcfg.name, parse_start_time(answer.body)
 
     found = await asyncio.gather(*(one(r) for r in replicas))
     return {name: t for name, t in found if t is not None}

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["RESTART_TOLERANCE_S", "parse_start_time", "parse_vllm_metrics", "restarted"]
+__all__ = [
+    "MAX_PAGE_BYTES",
+    "RESTART_TOLERANCE_S",
+    "parse_start_time",
+    "parse_vllm_metrics",
+    "restarted",
+]
+
+MAX_PAGE_BYTES = 32 << 20
+"""Largest ``/metrics`` page read (32 MiB). vLLM 0.32's is tens of kilobytes per engine,
+histograms included; a larger one is refused as a failed scrape rather than held in memory."""
 
 _METRIC = re.compile(
     rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"

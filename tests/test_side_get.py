@@ -1,0 +1,190 @@
+"""A replica that drips its ``/health`` and ``/metrics`` cannot hold the router's rounds.
+
+A real HTTP/1.1 server on 127.0.0.1 drips: ``/health`` gets a 200 whose header grows by a byte
+every 50 ms, every other GET a 200 and then one byte of a chunked body every 50 ms, for 20 s
+(it stops by itself): never silent long enough for httpx's per-operation timeouts. Before
+router.server.side_get such a replica held every health-probe and metrics-scrape round (each
+waits for all replicas) for the whole drip, so a dead replica beside it stayed in rotation.
+Checked here: the bounded GET alone (deadline, body cap, status only), and through a real
+router whose pool holds the dripping replica next to three simulated ones, one of which is
+then stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from router.server.side_get import BodyTooLarge, side_get
+from tests.sim_cluster import MODEL, SimCluster
+from tests.zmq_helpers import wait_for
+
+DRIP_S = 20.0
+
+
+class Dripper:
+    """``GET /health``: a 200 whose header gets a byte every 50 ms for ``DRIP_S``; any other
+    GET: 200, then one chunked body byte every 50 ms for ``DRIP_S`` (or ``size`` bytes at
+    once, then the end, when ``size`` is set)."""
+
+    def __init__(self, size: int | None = None) -> None:
+        self.size = size
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(5)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                got = conn.recv(4096)
+                if not got:
+                    return
+                data += got
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+            end = time.monotonic() + DRIP_S
+            if data.startswith(b"GET /health "):  # the header itself, a byte at a time
+                conn.sendall(head + b"x-drip: ")
+                while time.monotonic() < end and not self.stop.is_set():
+                    conn.sendall(b"#")
+                    self.stop.wait(0.05)  # the drip's pace, not a synchronisation
+                conn.sendall(b"\r\ncontent-length: 0\r\n\r\n")
+                return
+            if self.size is not None:
+                conn.sendall(head + b"content-length: %d\r\n\r\n" % self.size + b"x" * self.size)
+                return
+            conn.sendall(head + b"transfer-encoding: chunked\r\n\r\n")
+            while time.monotonic() < end and not self.stop.is_set():
+                conn.sendall(b"1\r\n#\r\n")
+                self.stop.wait(0.05)  # the drip's pace, not a synchronisation
+            conn.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the router gave up on it: what the test wants
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+@pytest.fixture()
+def dripper() -> Iterator[Dripper]:
+    d = Dripper()
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def _get(url: str, path: str, deadline_s: float, max_bytes: int) -> tuple[object, float]:
+    async def go() -> object:
+        async with httpx.AsyncClient(base_url=url, timeout=deadline_s) as client:
+            try:
+                return await side_get(client, path, deadline_s=deadline_s, max_bytes=max_bytes)
+            except (TimeoutError, BodyTooLarge) as exc:
+                return exc
+
+    t0 = time.monotonic()
+    out = asyncio.run(go())
+    return out, time.monotonic() - t0
+
+
+def test_a_dripping_body_ends_at_the_deadline(dripper: Dripper) -> None:
+    out, took = _get(dripper.url, "/metrics", 0.5, 1 << 20)
+    assert isinstance(out, TimeoutError)
+    assert took < DRIP_S / 4, took  # httpx alone waits for the whole drip
+    # the status alone needs no body: answered at the header
+    out, took = _get(dripper.url, "/metrics", 0.5, 0)
+    assert getattr(out, "status", None) == 200 and out.body == b""  # type: ignore[attr-defined]
+    # a header that never ends ends at the deadline too
+    out, took = _get(dripper.url, "/health", 0.5, 0)
+    assert isinstance(out, TimeoutError) and took < DRIP_S / 4, took
+
+
+def test_a_body_over_the_cap_is_refused_and_one_under_it_read_whole() -> None:
+    big = Dripper(size=3 << 20)
+    try:
+        out, _ = _get(big.url, "/metrics", 5.0, 1 << 20)
+        assert isinstance(out, BodyTooLarge)
+        out, _ = _get(big.url, "/metrics", 5.0, 4 << 20)
+        assert getattr(out, "body", b"") == b"x" * (3 << 20)
+    finally:
+        big.close()
+
+
+PROBES = """
+[health]
+probe_interval_s = 0.05
+probe_timeout_s = 0.5
+unhealthy_threshold = 2
+healthy_threshold = 2
+"""
+WINDOW = 2 * (0.05 + 0.5)
+"""router.config.HealthConfig.window_s for PROBES."""
+
+
+def test_a_dripping_replica_does_not_hold_the_others_probes_or_scrapes(dripper: Dripper) -> None:
+    cluster = SimCluster(160, extra_toml=PROBES)
+    try:
+        spare = socket.create_server(("127.0.0.1", 0))  # an event endpoint nobody publishes on
+        r = cluster.client.post(
+            "/admin/replicas",
+            headers=cluster.admin,
+            json={
+                "pool": MODEL,
+                "replica": {
+                    "name": "drip",
+                    "url": dripper.url,
+                    "event_endpoint": f"tcp://127.0.0.1:{spare.getsockname()[1]}",
+                },
+                "verify_model": False,
+            },
+        )
+        spare.close()
+        assert r.status_code == 201, r.text
+        wait_for(lambda: cluster.health("drip")["state"] == "down", 10, "the dripper down")
+        assert "no answer within 0.5 s" in cluster.health("drip")["probe"]["last_error"]
+
+        t0 = time.monotonic()
+        cluster.replicas["c"].stop_http()
+        wait_for(lambda: cluster.health("c")["state"] == "down", WINDOW + 2.0, "c down")
+        print(f"\nc out of rotation after {(time.monotonic() - t0) * 1000:.0f} ms beside a drip")
+
+        # the scrape of the others goes on; the dripper's is a counted timeout
+        a_before = cluster.replica_row("a")["scraped_at"]
+        wait_for(lambda: cluster.replica_row("a")["scraped_at"] != a_before, 5, "a scraped")
+        wait_for(
+            lambda: cluster.metric(
+                "kvrouter_metrics_scrape_failures_total", pool=MODEL, reason="timeout",
+                replica="drip",  # labels in the order the exposition prints them
+            ) >= 1,
+            10,
+            "the dripper's scrape counted as a timeout",
+        )  # fmt: skip
+        assert cluster.replica_row("drip")["scrape_error"].startswith("no whole answer within")
+    finally:
+        cluster.close()
