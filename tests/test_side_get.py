@@ -147,24 +147,39 @@ WINDOW = 2 * (0.05 + 0.5)
 """router.config.HealthConfig.window_s for PROBES."""
 
 
-def test_a_dripping_replica_does_not_hold_the_others_probes_or_scrapes(dripper: Dripper) -> None:
-    cluster = SimCluster(160, extra_toml=PROBES)
+def _add(cluster: SimCluster, url: str, verify: bool) -> httpx.Response:
+    spare = socket.create_server(("127.0.0.1", 0))  # an event endpoint nobody publishes on
     try:
-        spare = socket.create_server(("127.0.0.1", 0))  # an event endpoint nobody publishes on
-        r = cluster.client.post(
+        return cluster.client.post(
             "/admin/replicas",
             headers=cluster.admin,
             json={
                 "pool": MODEL,
                 "replica": {
                     "name": "drip",
-                    "url": dripper.url,
+                    "url": url,
                     "event_endpoint": f"tcp://127.0.0.1:{spare.getsockname()[1]}",
                 },
-                "verify_model": False,
+                "verify_model": verify,
             },
+            timeout=30,
         )
+    finally:
         spare.close()
+
+
+def test_a_dripping_replica_does_not_hold_the_others_probes_or_scrapes(dripper: Dripper) -> None:
+    cluster = SimCluster(160, extra_toml=PROBES)
+    big = Dripper(size=9 << 20)
+    try:
+        # adding it: its /v1/models is read within a deadline, and not past 8 MiB
+        t0 = time.monotonic()
+        r = _add(cluster, dripper.url, verify=True)
+        assert r.status_code == 409 and "no whole answer" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < DRIP_S / 2
+        r = _add(cluster, big.url, verify=True)
+        assert r.status_code == 409 and "BodyTooLarge" in r.json()["error"]["message"], r.text
+        r = _add(cluster, dripper.url, verify=False)
         assert r.status_code == 201, r.text
         wait_for(lambda: cluster.health("drip")["state"] == "down", 10, "the dripper down")
         assert "no answer within 0.5 s" in cluster.health("drip")["probe"]["last_error"]
@@ -187,4 +202,5 @@ def test_a_dripping_replica_does_not_hold_the_others_probes_or_scrapes(dripper: 
         )  # fmt: skip
         assert cluster.replica_row("drip")["scrape_error"].startswith("no whole answer within")
     finally:
+        big.close()
         cluster.close()

@@ -137,3 +137,9 @@ digits = st.tuples(st.integers(1, 6000), st.sampled_from(b"0123456789")).map(
 def test_reported_cached_tokens_never_raises(head: bytes, n: bytes, tail: bytes) -> None:
     got = reported_cached_tokens(head + b'"cached_tokens": ' + n + tail)
     assert got is None or 0 <= got < 10**15
+
+
+def test_a_usage_event_nested_past_the_decoders_depth_is_forwarded_as_it_came() -> None:
+    deep = b'data: {"usage": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n\n"
+    s = UsageStripper()
+    assert s.feed(deep) + s.flush() == deep and s.usage is None

@@ -20,9 +20,11 @@ from __future__ import annotations
 import os
 
 import httpx
+import msgspec
 
 from router.config import PoolConfig, ReplicaConfig, ServerConfig
 from router.server.errors import ApiError
+from router.server.side_get import BodyTooLarge, side_get
 
 __all__ = ["check_endpoints", "check_models"]
 
@@ -72,23 +74,40 @@ def check_endpoints(rcfg: ReplicaConfig, server: ServerConfig) -> None:
                 )
 
 
+MODELS_TIMEOUT_S = 5.0
+"""On top of ``server.connect_timeout_s``: the whole ``GET /v1/models`` of a replica added
+through the admin API, body included (router.server.side_get)."""
+MAX_MODELS_BYTES = 8 << 20
+"""Largest ``/v1/models`` answer read: a model card is a few hundred bytes."""
+
+
 async def check_models(rcfg: ReplicaConfig, pool: PoolConfig, server: ServerConfig) -> None:
     """Raise :class:`ApiError` (409) unless the replica's ``/v1/models`` lists every name of
     ``pool``."""
     names = [pool.model, *pool.aliases, *pool.lora_adapters]
     url = rcfg.url.rstrip("/") + "/v1/models"
     skip = 'or add it with "verify_model": false if it is not up yet'
+    deadline = MODELS_TIMEOUT_S + server.connect_timeout_s
     try:
-        async with httpx.AsyncClient(
-            timeout=httpx.Timeout(5.0, connect=server.connect_timeout_s)
-        ) as client:
-            r = await client.get(url)
-        if r.status_code != 200:
-            raise ValueError(f"HTTP {r.status_code}")
-        cards = [m for m in r.json()["data"] if isinstance(m, dict)]
+        async with httpx.AsyncClient(timeout=deadline) as client:
+            answer = await side_get(client, url, deadline_s=deadline, max_bytes=MAX_MODELS_BYTES)
+        if answer.status != 200:
+            raise ValueError(f"HTTP {answer.status}")
+        data = msgspec.json.decode(answer.body)["data"]
+        cards = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
         served = [m.get("id") for m in cards]
         roots = {m.get("id"): m.get("root") for m in cards}
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+    except TimeoutError:
+        raise ApiError(
+            409,
+            f"replica {rcfg.name!r}: no whole answer from {url} within {deadline:g} s to check "
+            f"it serves {pool.model!r}; {skip}",
+            "replica.url",
+        ) from None
+    except (
+        httpx.HTTPError, BodyTooLarge, msgspec.DecodeError, RecursionError, ValueError,
+        KeyError, TypeError,
+    ) as exc:  # fmt: skip
         raise ApiError(
             409,
             f"replica {rcfg.name!r}: cannot read {url} to check it serves {pool.model!r} "

@@ -97,7 +97,7 @@ class UsageStripper:
                 payload = line[5:].strip()
                 try:
                     obj = _decode.decode(payload)
-                except msgspec.DecodeError:
+                except (msgspec.DecodeError, RecursionError):  # forwarded as it came
                     obj = None
                 if isinstance(obj, dict) and "usage" in obj:
                     if obj.get("choices") == [] and obj["usage"] is not None:
