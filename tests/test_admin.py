@@ -116,10 +116,16 @@ def test_drain_undrain_remove_add(cluster: Cluster) -> None:
             10,
             "d's events indexed and d chosen",
         )
+        r = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt + " w3"})
+        assert r.headers["x-kvrouter-replica"] == "d"
+        assert 'replica="d"' in cluster.http.get("/metrics").text  # its requests, in flight...
         assert cluster.http.delete("/admin/replicas/d", headers=h).json() == {"removed": "d"}
         names = [r["name"] for r in cluster.http.get("/admin/replicas", headers=h).json()[
             "replicas"]]  # fmt: skip
         assert "d" not in names
+        # no series of a replica that is gone (a fleet's pods come and go under new names)
+        gone = [ln for ln in cluster.http.get("/metrics").text.splitlines() if 'replica="d"' in ln]
+        assert not gone, gone
     fake.close()
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from router.core.layout_quorum import LAYOUT_STATUSES
@@ -434,6 +435,18 @@ class RouterMetrics:
         if snapshot is not None:
             r.register(_StateCollector(snapshot))
         self._exposed = _WithoutCreated(r)
+
+    def forget_replica(self, pool: str, replica: str) -> None:
+        """Drop every series labelled with a replica that left the pool. A fleet whose pods
+        come and go under new names (Kubernetes discovery) would otherwise keep a set of
+        counters and histogram buckets per replica it ever had, in the router's memory and
+        in every scrape, for as long as the router runs."""
+        for metric in vars(self).values():
+            if isinstance(metric, MetricWrapperBase):
+                try:
+                    metric.remove_by_labels({"pool": pool, "replica": replica})
+                except ValueError:  # a metric without these labels
+                    continue
 
     def render(self) -> bytes:
         """The text exposition, without ``*_created`` series."""

@@ -524,6 +524,7 @@ class PoolState:
             if self.forecast is not None:
                 self.forecast.drop((name, r))
         self.index.remove_replica(name)
+        self.router.metrics.forget_replica(self.name, name)
         await rep.client.aclose()
         await rep.upstream.aclose()
 
