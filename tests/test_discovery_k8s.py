@@ -312,6 +312,10 @@ def test_bad_annotations_and_broken_events_are_counted_not_fatal(env: Env) -> No
     env.api.inject(b'{"type": "ADDED", "object": [1, 2]}\n')
     wait_for(lambda: len(env.api.queries(watch=False)) == 2, 20, "a relist")
     assert env.metric("kvrouter_discovery_errors_total", pool=MODEL, reason="malformed") == 1
+    # one nested past the JSON decoder's depth (RecursionError): the same
+    env.api.inject(b'{"type": "ADDED", "object": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n")
+    wait_for(lambda: len(env.api.queries(watch=False)) == 3, 20, "another relist")
+    assert env.metric("kvrouter_discovery_errors_total", pool=MODEL, reason="malformed") == 2
 
     # fixed: added
     env.api.modify(

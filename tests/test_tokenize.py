@@ -319,3 +319,35 @@ def test_local_template_has_transformers_globals_and_tojson(tmp_path) -> None:
     assert text == f"{year}|{json.dumps(messages, ensure_ascii=False)}|" + json.dumps(
         messages, ensure_ascii=False, indent=1
     )
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"[" * 100_000 + b"]" * 100_000,  # past the decoder's depth
+        b'{"tokens": [1, "two", 3]}',
+        b'{"tokens": [1, -2]}',
+        b'{"tokens": [1, 3.0]}',
+        b'{"tokens": [1, 99999999999999999999]}',
+        b'{"tokens": {"0": 1}}',
+        b"not json",
+    ],
+)
+def test_a_bad_tokenize_answer_routes_by_load_instead_of_failing(answer: bytes) -> None:
+    from fastapi.responses import Response
+
+    app = FastAPI()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return Response(answer, media_type="application/json")
+
+    async def ask(url: str) -> Tokenized:
+        remote = RemoteTokenizer("m", lambda: [url])
+        try:
+            return await remote.tokenize("chat", {"messages": CHAT})
+        finally:
+            await remote.aclose()
+
+    with ServerThread(app) as server:
+        assert asyncio.run(ask(server.url)) == Tokenized(None, "remote_bad_answer")

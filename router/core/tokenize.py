@@ -511,18 +511,25 @@ class RemoteTokenizer:
                 self._next += 1
                 try:
                     answer = msgspec.json.decode(r.content)
-                except msgspec.DecodeError:
+                except (msgspec.DecodeError, RecursionError):
                     return Tokenized(None, "remote_bad_answer")
                 tokens = answer.get("tokens") if isinstance(answer, dict) else None
-                if isinstance(tokens, list):
+                if isinstance(tokens, list) and all(
+                    type(t) is int and 0 <= t < _MAX_TOKEN_ID for t in tokens
+                ):
                     return Tokenized(tokens)
-                return Tokenized(None, "remote_bad_answer")
+                return Tokenized(None, "remote_bad_answer")  # routed by load, not on a guess
             if r.status_code < 500:
                 return Tokenized(None, "remote_rejected")
         return Tokenized(None, "remote_unavailable")
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+_MAX_TOKEN_ID = 1 << 31
+"""A token id a replica may return (vLLM's are vocabulary indices): anything else in a
+``/tokenize`` answer makes it a bad answer, not a prompt to hash."""
 
 
 def make_tokenizer(

@@ -240,7 +240,7 @@ class PodWatcher:
     def _status_failure(self, code: int, body: bytes | str) -> Exception:
         text = body.decode(errors="replace") if isinstance(body, bytes) else body
         message = text[:300]
-        with contextlib.suppress(ValueError, AttributeError, TypeError):
+        with contextlib.suppress(ValueError, AttributeError, TypeError, RecursionError):
             message = json.loads(text).get("message") or message
         if code == 410:
             return _Gone(f"410 Gone: {message}")
@@ -256,7 +256,7 @@ class PodWatcher:
             rv = data["metadata"]["resourceVersion"]
             if not isinstance(items, list) or not isinstance(rv, str) or not rv:
                 raise TypeError("items or metadata.resourceVersion missing")
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise _Failure("malformed", f"pod list: {exc!r}", relist=True) from None
         pods: dict[str, PodView] = {}
         for obj in items:
@@ -306,7 +306,7 @@ class PodWatcher:
             typ, obj = ev["type"], ev["object"]
             if typ not in EVENT_TYPES or not isinstance(obj, dict):
                 raise TypeError(f"event type {typ!r} with a {type(obj).__name__} object")
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             # an event may be lost: only a relist says what is there now
             raise _Failure("malformed", f"watch event: {exc!r}", relist=True) from None
         self.metrics.discovery_events.labels(self.pool.name, typ).inc()
