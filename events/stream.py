@@ -19,7 +19,10 @@ Decisions (documented here because consumers depend on them):
 * A gap (``seq > expected``) asks for a replay from ``expected``; live messages that arrive
   meanwhile are held and applied after it, in order. Replayed batches with
   ``expected <= seq < s`` are applied; later ones are ignored because the held live messages
-  cover them.
+  cover them. The replay ends as soon as it has delivered up to the first held live message
+  (an attach replay too), without waiting for the ring's end marker, and only replies that
+  move it on push its idle deadline: an endpoint that repeats old batches, or a ring that
+  never ends, cannot hold the live stream back.
 * What the ring no longer holds, a replay that times out, or a stream without a replay
   endpoint gives :class:`GapUnrecoverable` once per hole, then the stream goes on with the
   next batch it has (replayed batches the ring still holds are applied: a partial view is
@@ -351,6 +354,19 @@ class Sequencer:
         out.append(_Apply(seq, payload, True, received_at))
         return True
 
+    @property
+    def replay_complete(self) -> bool:
+        """The running replay has delivered every batch up to the first live one it held
+        back (for a gap's replay: the one that showed the gap), so the held live messages
+        take over and the rest of the ring's answer would only be ignored. An attach replay
+        ends there too, which bounds what it holds back even if its ring never ends."""
+        p, expected = self._pending, self.expected
+        if p is None or expected is None:
+            return False
+        if not p.attach:
+            return expected >= p.target
+        return bool(p.held) and expected >= p.held[0][0]
+
     def replay_done(self, out: list[Output]) -> int | None:
         """The end marker arrived; whatever is still missing is gone."""
         return self._finish("ring_overflow", out)
@@ -418,8 +434,10 @@ class StreamProcessor:
         self._decode = decode
         self._outputs: list[Output] = []
         self.replay_replies = 0
-        """Well-formed replay replies read so far (batches and end markers, used or not):
-        the socket layer's sign that a replay is progressing (its deadline is an idle one)."""
+        """Replay replies that moved a replay on (a batch it needed, its end marker): the
+        socket layer's sign that a replay is progressing, which pushes its idle deadline.
+        Well-formed replies that bring nothing do not, so an endpoint repeating old batches
+        cannot hold a replay, and the live messages behind it, open for good."""
 
     @property
     def replaying(self) -> bool:
@@ -457,14 +475,19 @@ class StreamProcessor:
             self._malformed(None, _replay_frame_error(frames), True, out)
             return None
         seq = _SEQ.unpack(frames[2])[0]
-        self.replay_replies += 1
         outputs = self._outputs
         if seq == END_SEQ and frames[3] == b"":
+            self.replay_replies += 1
             start = self.sequencer.replay_done(outputs)
             return self._after(start, outputs, out)
         if not self.sequencer.replayed(seq, frames[3], now, outputs):
             self.stats.ignored_replayed += 1
-        return self._after(None, outputs, out)
+            return self._after(None, outputs, out)
+        self.replay_replies += 1
+        start = None
+        if self.sequencer.replay_complete:  # the held live messages go on now
+            start = self.sequencer.replay_done(outputs)
+        return self._after(start, outputs, out)
 
     def on_replay_failed(self, reason: GapReason, out: list[StreamItem]) -> int | None:
         """The replay timed out (``"replay_timeout"``), could not be sent or its connection

@@ -349,8 +349,9 @@ class _Core:
                         if replied:
                             # An idle deadline: a long replay that keeps delivering is healthy
                             # (a 10,000-batch ring takes seconds), only silence means it is
-                            # stuck. Malformed replies do not count, so junk can't keep a
-                            # replay (and the live messages it holds back) alive.
+                            # stuck. Malformed replies and batches it did not need do not
+                            # count, so junk can't keep a replay (and the live messages it
+                            # holds back) alive.
                             self.deadlines[idx] = time.monotonic() + self.replay_timeout
             mono = time.monotonic()
             for idx in [i for i, d in self.deadlines.items() if d <= mono]:

@@ -577,7 +577,9 @@ def test_live_messages_during_replay_are_held(mode: str) -> None:
             got = [(b.seq, b.replayed) for b in h.batches() if b.seq > k]
             assert got == [(k + i, i == 2) for i in range(1, 9)]
             st_ = h.stats()["a"]
-            assert st_.ignored_replayed == 6  # the ring also sent k+3..k+8
+            # the ring also sends k+3..k+8, but the replay ends at the batch it needed: the
+            # held live messages go on at once and the rest of the answer is not read
+            assert st_.ignored_replayed == 0
             assert st_.replayed_batches == 1 and not st_.replaying
             assert not h.signals()
 
@@ -640,6 +642,94 @@ def test_replay_timeout_is_unrecoverable(mode: str) -> None:
                 assert silent.recv_multipart()[1:] == [b"", SEQ.pack(k + 1)]
     finally:
         silent.close(0)
+
+
+class StaleReplayEndpoint(threading.Thread):
+    """A replay endpoint that answers every request with batch ``seq`` every ``tick`` seconds
+    and never the end marker (the pace is the scenario, not a synchronisation). With
+    ``step = 0`` the same batch, one the subscriber has already applied: well-formed replies
+    that bring nothing; with ``step = 1`` a ring that never ends, each batch the next one."""
+
+    def __init__(self, seq: int, tick: float, step: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.seq, self.tick, self.step = seq, tick, step
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.bind(LOOPBACK)
+        self.endpoint = last_endpoint(self.sock)
+        self.stop = threading.Event()
+        self.sent = 0
+
+    def run(self) -> None:
+        payload = encode_batch(KVEventBatch(ts=1.0, events=[removed(0)]))
+        idents: list[bytes] = []
+        try:
+            while not self.stop.is_set():
+                while self.sock.poll(0):
+                    idents.append(self.sock.recv_multipart()[0])
+                for ident in idents:
+                    self.sock.send_multipart([ident, b"", b"", SEQ.pack(self.seq), payload])
+                    self.sent += 1
+                    self.seq += self.step
+                self.stop.wait(self.tick)
+        finally:
+            self.sock.close(0)
+
+    def __enter__(self) -> StaleReplayEndpoint:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.join(5)
+
+
+@modes
+def test_a_replay_that_only_repeats_what_was_applied_times_out(mode: str) -> None:
+    """Replies that bring no needed batch do not push the idle deadline: a replay endpoint
+    repeating an old batch four times per timeout, forever, would otherwise hold the live
+    messages behind the hole (and the index's view of the replica) for as long as it runs."""
+    timeout = 0.3
+    with EventPublisher(LOOPBACK) as pub, LossyForwarder(pub.endpoint) as fwd:
+        k = None
+        with StaleReplayEndpoint(0, timeout / 4) as stale:
+            spec = StreamSpec("a", fwd.endpoint, stale.endpoint)
+            with make(mode, [spec], replay_timeout=timeout) as h:
+                k = prime(lambda: pub.publish([removed(0)]), h)
+                stale.seq = k  # applied already
+                fwd.drop.add(k + 1)
+                pub.publish([removed(1)])
+                pub.publish([removed(2)])
+                h.wait_seq(k + 2, timeout=10)
+                assert h.signals() == [GapUnrecoverable("a", k + 1, k + 2, "replay_timeout")]
+                assert stale.sent > 0  # it did keep answering
+                assert h.stats()["a"].ignored_replayed > 0
+
+
+@modes
+def test_an_attach_replay_that_never_ends_stops_at_the_live_stream(mode: str) -> None:
+    """An attach replay (``replay_from_start``) hands over to the live messages it held back
+    once it reaches the first of them: a ring that never sends its end marker cannot hold
+    them (and their memory) for good."""
+    with EventPublisher(LOOPBACK) as pub:
+        for i in range(30):  # before anyone listens: the ring's part
+            pub.publish([removed(i)])
+        with StaleReplayEndpoint(0, 0.02, step=1) as ring:
+            spec = StreamSpec("a", pub.endpoint, ring.endpoint, replay_from_start=True)
+            with make(mode, [spec], replay_timeout=5.0) as h:
+                # live batches keep coming (held while the replay runs) until one is applied
+                publish_until(
+                    lambda: pub.publish([removed(0)]),
+                    lambda: any(not b.replayed for b in h.batches()),
+                )
+                last = pub.publish([removed(0)])
+                h.wait_seq(last, timeout=20)
+                sent = ring.sent
+                seqs = h.seqs()
+                assert seqs == list(range(last + 1)), seqs  # ring then live, no gap
+                assert not h.stats()["a"].replaying
+                assert not h.signals()
+                wait_for(lambda: ring.sent > sent + 5, what="the ring still sending")
+                assert h.seqs() == seqs  # and nothing of it is read any more
 
 
 @modes
