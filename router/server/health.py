@@ -91,13 +91,18 @@ def end_attempt(rep: ReplicaState, trial: bool) -> None:
 # -- probes --------------------------------------------------------------------------------
 
 
+PROBE_MAX_BYTES = 1 << 16
+"""Largest ``/health`` body read: vLLM's is empty; a larger one fails the probe."""
+
+
 async def probe_replica(pool: PoolState, rep: ReplicaState) -> None:
     """One probe of one replica; never raises."""
     cfg = pool.router.config.health
     error: str | None = None
-    try:  # the status only, within the timeout whatever the replica sends (side_get)
+    try:  # within the timeout whatever the replica sends (side_get); the body is read
+        # (vLLM's is empty) so the connection is kept alive for the next probe
         answer = await side_get(
-            rep.client, cfg.probe_path, deadline_s=cfg.probe_timeout_s, max_bytes=0
+            rep.client, cfg.probe_path, deadline_s=cfg.probe_timeout_s, max_bytes=PROBE_MAX_BYTES
         )
         if answer.status != 200:
             error = f"HTTP {answer.status}"
