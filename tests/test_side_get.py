@@ -21,7 +21,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from router.config import parse_config
+from router.server.scrape import scrape_replica
 from router.server.side_get import BodyTooLarge, side_get
+from router.server.state import RouterState
 from tests.sim_cluster import MODEL, SimCluster
 from tests.zmq_helpers import wait_for
 
@@ -38,6 +41,8 @@ class Dripper:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.stop = threading.Event()
+        self.accepted = 0
+        """Connections taken so far (read by tests to know a GET is under way)."""
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -52,6 +57,7 @@ class Dripper:
                 conn, _ = self.sock.accept()
             except TimeoutError:
                 continue
+            self.accepted += 1
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: socket.socket) -> None:
@@ -204,3 +210,42 @@ def test_a_dripping_replica_does_not_hold_the_others_probes_or_scrapes(dripper: 
     finally:
         big.close()
         cluster.close()
+
+
+def _scrape_failures(state: RouterState, replica: str) -> float:
+    return sum(
+        s.value
+        for m in state.metrics.scrape_failures.collect()
+        for s in m.samples
+        if s.labels.get("replica") == replica and s.name.endswith("_total")
+    )
+
+
+def test_a_scrape_of_a_replica_removed_meanwhile_records_nothing(dripper: Dripper) -> None:
+    """``remove_replica`` drops the replica's series and closes its client while a scrape
+    round may still be reading it: the scrape then ends quietly, without bringing a failure
+    series back for a replica that no longer exists or raising out of the round (httpx's
+    "client has been closed" for a scrape that starts after the removal)."""
+    toml = f'[[pools]]\nmodel = "m"\n[[pools.replicas]]\nname = "d"\nurl = "{dripper.url}"\n'
+
+    async def go() -> None:
+        state = RouterState(parse_config(toml))
+        await state.start()
+        try:
+            pool = state.pools["m"]
+            rep = pool.replicas["d"]
+            task = asyncio.create_task(scrape_replica(pool, rep, timeout=10.0))
+            deadline = time.monotonic() + 5
+            while dripper.accepted == 0:  # the GET is under way, its body dripping
+                assert time.monotonic() < deadline, "the scrape never connected"
+                await asyncio.sleep(0.01)
+            await pool.remove_replica("d")
+            await asyncio.wait_for(task, 5)  # ended by the closed client, not the 10 s deadline
+            assert _scrape_failures(state, "d") == 0
+            assert rep.scrape_error is None
+            await scrape_replica(pool, rep, timeout=1.0)  # a round's stale copy: no raise
+            assert _scrape_failures(state, "d") == 0
+        finally:
+            await state.stop()
+
+    asyncio.run(go())

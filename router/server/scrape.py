@@ -63,7 +63,7 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
     good scrape after failures at INFO, every other scrape at DEBUG (one a second per replica
     would bury the log; the latest error is in ``/admin/replicas``' ``scrape_error``)."""
     path = rep.cfg.metrics_path
-    if path is None:
+    if path is None or _removed(pool, rep):
         return
     before = dict(rep.in_flight)
     where = {"pool": pool.name, "replica": rep.name, "url": rep.cfg.url + path}
@@ -78,6 +78,13 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
         reason, error = "too_large", str(exc)
     except httpx.HTTPError as exc:
         reason, error = "unreachable", f"{type(exc).__name__}: {exc}"
+    except RuntimeError:  # httpx: "the client has been closed", by remove_replica
+        if not _removed(pool, rep):
+            raise
+    if _removed(pool, rep):
+        # removed (maybe re-added under its name) while the GET ran: its series were dropped
+        # and must stay so, and a failure or a restart seen here belongs to no replica
+        return
     if error is not None:
         pool.router.metrics.scrape_failures.labels(pool.name, rep.name, reason).inc()
         if rep.scrape_error is None:
@@ -118,6 +125,10 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
         )
     elif started is not None:
         rep.started_at = started
+
+
+def _removed(pool: PoolState, rep: ReplicaState) -> bool:
+    return pool.replicas.get(rep.name) is not rep
 
 
 async def scrape_once(state: RouterState) -> None:
