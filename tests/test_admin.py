@@ -212,3 +212,39 @@ def test_removing_a_replica_whose_subscriber_died_releases_everything(
             assert http.get("/admin/replicas", headers=h).json()["replicas"] == []
             assert entries() == 0
     fake.close()
+
+
+def test_a_request_outliving_its_replica_leaves_none_of_its_series(cluster: Cluster) -> None:
+    """Removing a replica drops its series at once and cuts the streams still coming from it
+    (drain first to remove it gracefully); each cut request then ends and counts itself
+    (requests, mid-stream failures) under the replica's name. Kubernetes discovery cuts what
+    is left at ``drain_timeout_s``, so without the request's own clean-up every pod ever
+    removed busy would leave a few series behind."""
+    h = cluster.admin
+    fake = FakeReplica("e")
+    fake.token_interval_s = 0.05  # 20 tokens: a stream of about a second
+    with ServerThread(fake.app) as srv:
+        spec = {"name": "e", "url": srv.url, "event_endpoint": fake.pub.endpoint,
+                "replay_endpoint": fake.pub.replay_endpoint}  # fmt: skip
+        r = cluster.http.post("/admin/replicas", json={"pool": MODEL, "replica": spec}, headers=h)
+        assert r.status_code == 201, r.text
+        for name in ("a", "b", "c"):
+            cluster.http.post(f"/admin/replicas/{name}/drain", headers=h)
+        try:
+            body = {"model": MODEL, "prompt": words(23, 80), "max_tokens": 20, "stream": True}
+            with cluster.http.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.headers["x-kvrouter-replica"] == "e"
+                wait_for(lambda: fake.held == 1, 10, "the stream under way")
+                assert cluster.http.delete("/admin/replicas/e", headers=h).status_code == 200
+                text = resp.read().decode()
+            assert "failed mid-stream" in text and text.endswith("data: [DONE]\n\n")
+
+            def series() -> list[str]:
+                lines = cluster.http.get("/metrics").text.splitlines()
+                return [ln for ln in lines if 'replica="e"' in ln]
+
+            wait_for(lambda: not series(), 10, f"no series of the removed replica: {series()}")
+        finally:
+            for name in ("a", "b", "c"):
+                cluster.http.post(f"/admin/replicas/{name}/undrain", headers=h)
+    fake.close()

@@ -200,7 +200,11 @@ def admin_router(
         _changed("added", request, pool, rcfg.name, url=rcfg.url, dp_ranks=rep.ranks)
         return rep.as_dict()
 
-    @r.delete("/replicas/{name}", summary="Remove a replica (its index state is dropped)")
+    @r.delete(
+        "/replicas/{name}",
+        summary="Remove a replica: its index state is dropped and the requests still in flight "
+        "on it are cut (drain it first and wait for in_flight 0 to remove it gracefully)",
+    )
     async def remove_replica(name: str, request: Request) -> dict[str, Any]:
         pool, _ = find_replica(name)
         await pool.remove_replica(name)

@@ -9,7 +9,9 @@ from the messages it passes on (status, the response start, ``x-kvrouter-replica
 proxy sets on exactly the responses a replica gave, ``x-request-id``, an SSE content type,
 the router's own error message, a client disconnect). When the request is over it
 
-* counts it in ``kvrouter_requests_total{pool, replica, status, status_class}``;
+* counts it in ``kvrouter_requests_total{pool, replica, status, status_class}``, then drops
+  every series of a replica it tried that was removed meanwhile (``RouterMetrics.forget_replica``
+  ran at the removal, and this request's counts would otherwise outlive the replica);
 * observes ``kvrouter_request_duration_seconds`` (arrival to the last byte),
   ``kvrouter_router_added_seconds`` (body received to the first attempt sent: parse,
   tokenize, predict, choose; the time failed attempts took is the replicas', not the
@@ -54,7 +56,7 @@ class Outcome:
     __slots__ = (
         "answered", "arrived", "attempt_at", "attempts", "choice", "disconnected",
         "error_body", "first_attempt", "method", "path", "pool", "received", "request_id",
-        "sse", "started", "status",
+        "sse", "started", "status", "tried",
     )  # fmt: skip
 
     def __init__(self, method: str, path: str, arrived: float) -> None:
@@ -68,6 +70,8 @@ class Outcome:
         self.choice: RouteChoice | None = None
         """The latest attempt's routing decision."""
         self.attempts = 0
+        self.tried: set[str] = set()
+        """The replicas the attempts went to."""
         self.first_attempt: float | None = None
         self.attempt_at: float | None = None
         self.status = 0
@@ -92,6 +96,7 @@ class Outcome:
             self.first_attempt = now
         self.attempt_at = now
         self.attempts += 1
+        self.tried.add(choice.decision.chosen.key[0])
         self.choice = choice
 
     # -- what the wrapper sees ------------------------------------------------------------
@@ -177,6 +182,12 @@ def finish(
     choice = out.choice
     replica = choice.decision.chosen.key[0] if out.answered and choice is not None else ""
     metrics.requests.labels(pool, replica, str(status), f"{status // 100}xx").inc()
+    if choice is not None:
+        for name in out.tried - choice.pool.replicas.keys():
+            # removed while this request ran: its series were dropped then, and this
+            # request's own counts (above, a failover, its prediction check) brought some
+            # back; the last of its requests to end leaves none
+            metrics.forget_replica(pool, name)
     total = ended - out.arrived
     metrics.request_seconds.labels(pool).observe(total)
     added = ttft = None
