@@ -345,6 +345,10 @@ def router_toml(
         "[pools.policy]",
         f'name = "{policy}"',
         f"seed = {seed}",
+        "# the admission-time view (x-kvrouter-expected-hit), for the report only: routing",
+        "# stays on events alone, as by default",
+        "speculative_insert = true",
+        "speculative_routing = false",
     ]
     for i, r in enumerate(replicas):
         lines += [
@@ -368,6 +372,9 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     predicted: int | None = None
+    """``x-kvrouter-predicted-hit``: what the events said at routing."""
+    expected: int | None = None
+    """``x-kvrouter-expected-hit``: plus what the requests routed ahead will store."""
     ttft_s: float | None = None
     latency_s: float = 0.0
     error: str | None = None
@@ -415,6 +422,10 @@ async def _one(
         await _send(client, url, req, out, live)
 
 
+def _header_int(value: str | None) -> int | None:
+    return int(value) if value and value.isascii() and value.isdigit() else None
+
+
 async def _send(client: Any, url: str, req: Any, out: Outcome, live: Live) -> None:
     import httpx
 
@@ -434,8 +445,8 @@ async def _send(client: Any, url: str, req: Any, out: Outcome, live: Live) -> No
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             replica = resp.headers.get("x-kvrouter-replica", "?")
             live.in_flight[replica] = live.in_flight.get(replica, 0) + 1
-            pred = resp.headers.get("x-kvrouter-predicted-hit")
-            out.predicted = int(pred) if pred and pred.isdigit() else None
+            out.predicted = _header_int(resp.headers.get("x-kvrouter-predicted-hit"))
+            out.expected = _header_int(resp.headers.get("x-kvrouter-expected-hit"))
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             else:
@@ -504,6 +515,8 @@ def summarize(policy: str, outs: Sequence[Outcome], wall_s: float) -> dict[str, 
         per[o.replica] = per.get(o.replica, 0) + 1
     with_pred = [o for o in ok if o.predicted is not None]
     exact = sum(1 for o in with_pred if o.predicted == o.cached_tokens)
+    with_exp = [o for o in ok if o.expected is not None]
+    exp_exact = sum(1 for o in with_exp if o.expected == o.cached_tokens)
     return {
         "policy": policy,
         "label": LABELS.get(policy, policy),
@@ -519,6 +532,7 @@ def summarize(policy: str, outs: Sequence[Outcome], wall_s: float) -> dict[str, 
         "latency_mean_s": statistics.fmean(o.latency_s for o in ok) if ok else 0.0,
         "requests_per_replica": dict(sorted(per.items())),
         "prediction_exact_ratio": exact / len(with_pred) if with_pred else None,
+        "admission_exact_ratio": exp_exact / len(with_exp) if with_exp else None,
         "wall_s": wall_s,
     }
 
@@ -526,15 +540,16 @@ def summarize(policy: str, outs: Sequence[Outcome], wall_s: float) -> dict[str, 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     head = (
         f"{'policy':20} {'hit rate':>9} {'TTFT p50':>10} {'TTFT p90':>10} {'TTFT p99':>10} "
-        f"{'pred exact':>10} {'errors':>6}  requests per replica"
+        f"{'pred exact':>10} {'adm exact':>10} {'errors':>6}  requests per replica"
     )
     out = [head, "-" * len(head)]
     for r in rows:
-        pe = r["prediction_exact_ratio"]
+        pe, ae = r["prediction_exact_ratio"], r.get("admission_exact_ratio")
         out.append(
             f"{r['label']:20} {100 * r['hit_rate']:8.1f}% {1000 * r['ttft_p50_s']:8.1f}ms "
             f"{1000 * r['ttft_p90_s']:8.1f}ms {1000 * r['ttft_p99_s']:8.1f}ms "
-            f"{'-' if pe is None else f'{100 * pe:.1f}%':>10} {r['errors']:6}  "
+            f"{'-' if pe is None else f'{100 * pe:.1f}%':>10} "
+            f"{'-' if ae is None else f'{100 * ae:.1f}%':>10} {r['errors']:6}  "
             + " ".join(str(v) for v in r["requests_per_replica"].values())
         )
     return "\n".join(out)
@@ -730,6 +745,11 @@ def _run(args: argparse.Namespace) -> int:
     (out_dir / "demo.json").write_text(json.dumps(doc, indent=1))
     print()
     print(table(rows))
+    print(
+        "pred exact: the router's events-only prediction (x-kvrouter-predicted-hit) equalled "
+        "the replica's cached_tokens; adm exact: its admission-time one "
+        "(x-kvrouter-expected-hit: also what the requests routed ahead will store)"
+    )
     written = [out_dir / "demo.json"]
     try:
         written.append(plot(doc, out_dir))

@@ -74,6 +74,7 @@ def test_tiny_demo_compares_policies_and_leaves_no_process(tmp_path: Path) -> No
     # (this run at arrival times gave 19/20), which is why the replay is sequential here.
     for label, r in rows.items():
         assert r["prediction_exact_ratio"] == 1.0, f"{label}: {r}"
+        assert r["admission_exact_ratio"] == 1.0, f"{label}: {r}"
     assert (out / "demo_policies.png").stat().st_size > 1000
     assert (out / "run-hybrid" / "router.toml").read_text().count("[[pools.replicas]]") == 2
     pids = recorded_pids(out)
