@@ -344,7 +344,10 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     and raised reuse from 58.3-58.9 % to 60.2-63.5 % (6 runs) with a lower TTFT mean; 3.0
     (6 runs) averaged 61.7 % at a higher TTFT (mean 170 / p90 425 ms against 131 / 326), and
     lighter load terms (128/512 at 2.0) 60.5 % at 257 / 638 ms. The routing simulator's
-    earlier sweep had preferred 1.0 (bench/results/REPORT.md, look-ahead sweep)."""
+    earlier sweep had preferred 1.0 (bench/results/REPORT.md, look-ahead sweep). With prefix
+    homes (``affinity_weight = 8``) 1.0 against 2.0 on 3 seeds x 2 repeats
+    (bench/results/real_vllm_load_lookahead1.md): 62.8 against 62.6 % reuse, TTFT mean 150
+    against 151 ms, within the spread."""
     load_band_tokens: float = 0.0
     """Queued work within this many tokens of the least queued candidate counts as equal
     (router.core.policy, load band); 0: every token counts. Off by default: on real vLLM
