@@ -91,6 +91,8 @@ class FakeReplica:
         self.lie_by = 0
         self.others_running = 0
         """Running requests of other clients that ``/metrics`` reports on top of the router's."""
+        self.metrics_status: int | None = None
+        """Answer ``/metrics`` with this status (and no metrics) instead."""
         self.requests = 0
         self.last_headers: dict[str, str] = {}
         self.stall = False
@@ -274,6 +276,8 @@ class FakeReplica:
 
         @app.get("/metrics")
         async def metrics() -> Response:
+            if self.metrics_status is not None:
+                return Response(b"", status_code=self.metrics_status)
             text = (
                 f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} '
                 f"{float(self.others_running)}\n"

@@ -105,6 +105,33 @@ def test_other_clients_load_steers_the_route(cluster: Cluster) -> None:  # noqa:
     wait_for(lambda: load() == {"a": 0, "b": 0, "c": 0}, 10, "the next scrape")
 
 
+def test_a_failed_scrape_forgets_what_the_last_one_said(cluster: Cluster) -> None:  # noqa: F811
+    """Other clients' load is known only from a scrape that worked: while a replica's
+    ``/metrics`` fails it counts as unknown (the router's own in-flight requests only), not
+    as whatever the last good scrape said, which would weigh against the replica for as long
+    as the failures lasted (and a little after it came back)."""
+    prompt = words(4343, 40)
+
+    def running(name: str) -> object:
+        rows = cluster.explain(prompt=prompt)["replicas"]
+        return next(row["load"]["running"] for row in rows if row["replica"] == name)
+
+    fake = cluster.fake("a")
+    fake.others_running = 3
+    try:
+        wait_for(lambda: running("a") == 3, 10, "a scrape of a's other clients")
+        fake.metrics_status = 500
+        wait_for(lambda: running("a") is None, 10, "a failed scrape dropping them (unknown)")
+        reps = cluster.http.get("/admin/replicas", headers=cluster.admin).json()["replicas"]
+        assert next(r for r in reps if r["name"] == "a")["scrape_error"] == "HTTP 500"
+        fake.metrics_status = None
+        wait_for(lambda: running("a") == 3, 10, "the next good scrape")
+    finally:
+        fake.metrics_status = None
+        fake.others_running = 0
+    wait_for(lambda: running("a") == 0, 10, "the next scrape")
+
+
 def test_label_values_that_are_not_ranks_or_counts_are_skipped() -> None:
     huge = b"9" * 5000  # int() refuses it (CPython's digit limit); 400 digits overflow float
     text = (

@@ -302,6 +302,15 @@ def test_failover_when_the_best_replica_is_dead(cluster: SimCluster) -> None:
     again = {"prompt": prefix + " " + words(rng, 10)}
     row = cluster.rows(**again)[dead]
     assert row["hit_tokens"] == 10 * B
+    # Its load is what its last good scrape said, which may have caught the direct request
+    # above in flight (another client's running request: 256 tokens of queue, more than its
+    # 160-token lead) when no scrape failed while it was stopped; the next scrape (every
+    # 0.5 s) clears it.
+    wait_for(
+        lambda: cluster.explain(**again)["chosen"]["replica"] == dead,
+        10,
+        f"{dead} chosen again once scraped",
+    )
     r = post(cluster.client, again, max_tokens=2)
     assert r.headers["x-kvrouter-replica"] == dead
     assert cached_tokens(r.json()) == int(r.headers["x-kvrouter-predicted-hit"]) == 10 * B

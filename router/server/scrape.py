@@ -55,7 +55,8 @@ def others_load(
 
 
 async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> None:
-    """One scrape of one replica; a failure is kept in ``rep.scrape_error``, never raised.
+    """One scrape of one replica; a failure is kept in ``rep.scrape_error``, never raised, and
+    drops the load the last good scrape read (other clients' share, KV usage) until the next.
     A changed process start time is a restart: the pool re-reads the replica's streams from
     the new process's start (:meth:`PoolState.replica_restarted`).
 
@@ -98,6 +99,10 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
                 extra=kv(**where, error=error),
             )
         rep.scrape_error = error
+        # other clients' load and the KV usage are unknown now, as before any scrape: routed on
+        # as such (the router's own in-flight count still counts), not frozen at the last good
+        # scrape for as long as the failures last
+        rep.others_running, rep.others_waiting, rep.kv_usage = {}, {}, {}
         return
     if rep.scrape_error is not None:
         log.info("metrics scrape of replica %s works again", rep.name, extra=kv(**where))
