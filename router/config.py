@@ -211,6 +211,13 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bootstrap_peer: str | None = None
     """URL of a running router of the same fleet: at start, its ``/admin/index/snapshot`` is
     loaded (with this router's admin token) instead of the file."""
+    bootstrap_timeout_s: float = 60.0
+    """The whole snapshot GET from ``bootstrap_peer``, body included: past it the router
+    starts without (replaying the rings), so a peer that hangs or drips its answer cannot
+    hold the start."""
+    bootstrap_max_bytes: int = 4 << 30
+    """The largest snapshot taken from ``bootstrap_peer``; a larger one is refused (the rings
+    are replayed), not read into memory."""
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 << 20:
@@ -229,6 +236,8 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("max_dead_slots must be >= 0 and sweep_step >= 1")
         if self.max_witness_keys < 0:
             raise ValueError(f"max_witness_keys must be >= 0, got {self.max_witness_keys}")
+        if self.bootstrap_timeout_s <= 0 or self.bootstrap_max_bytes < 1:
+            raise ValueError("bootstrap_timeout_s must be > 0 and bootstrap_max_bytes >= 1")
         if self.bootstrap_peer is not None and not self.bootstrap_peer.startswith(
             ("http://", "https://")
         ):

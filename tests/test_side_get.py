@@ -21,7 +21,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from router.config import parse_config
+from router.config import RouterConfig, parse_config
+from router.server.persist import load_snapshot
 from router.server.scrape import scrape_replica
 from router.server.side_get import BodyTooLarge, side_get
 from router.server.state import RouterState
@@ -249,3 +250,38 @@ def test_a_scrape_of_a_replica_removed_meanwhile_records_nothing(dripper: Drippe
             await state.stop()
 
     asyncio.run(go())
+
+
+def _peer_config(url: str, **index: object) -> RouterConfig:
+    knobs = "".join(f"{k} = {v}\n" for k, v in index.items())
+    return parse_config(
+        f"[index]\nbootstrap_peer = '{url}'\n{knobs}"
+        '[[pools]]\nmodel = "m"\n[[pools.replicas]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    )
+
+
+def test_a_peer_dripping_its_snapshot_cannot_hold_the_start(
+    dripper: Dripper, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``index.bootstrap_peer``'s snapshot GET ends at ``bootstrap_timeout_s`` whatever the
+    peer sends (this one drips for 20 s); the router then starts by replaying the rings."""
+    cfg = _peer_config(dripper.url, bootstrap_timeout_s=1.0)
+    with caplog.at_level("WARNING", logger="kvrouter.snapshot"):
+        assert asyncio.run(asyncio.wait_for(load_snapshot(cfg), 10)) is None
+    assert "bootstrap_timeout_s = 1 s" in caplog.text and "replaying the rings" in caplog.text
+
+
+def test_a_peer_snapshot_over_the_cap_is_refused_unread(caplog: pytest.LogCaptureFixture) -> None:
+    big = Dripper(size=5000)
+    try:
+        cfg = _peer_config(big.url, bootstrap_max_bytes=4096)
+        with caplog.at_level("WARNING", logger="kvrouter.snapshot"):
+            assert asyncio.run(load_snapshot(cfg)) is None
+        assert "bootstrap_max_bytes = 4096" in caplog.text
+        # under the cap the body is read whole and refused for what it is: not a snapshot
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvrouter.snapshot"):
+            assert asyncio.run(load_snapshot(_peer_config(big.url))) is None
+        assert "SnapshotError" in caplog.text
+    finally:
+        big.close()

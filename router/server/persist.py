@@ -17,6 +17,7 @@ import httpx
 
 from router.config import RouterConfig
 from router.core.snapshot import IndexSnapshot, SnapshotError, decode_snapshot, encode_snapshot
+from router.server.side_get import BodyTooLarge, side_get
 from router.server.state import RouterState
 
 __all__ = ["load_snapshot", "snapshot_forever", "write_snapshot"]
@@ -31,16 +32,25 @@ async def load_snapshot(config: RouterConfig) -> IndexSnapshot | None:
         url = idx.bootstrap_peer.rstrip("/") + "/admin/index/snapshot"
         token = config.server.admin_token
         headers = {"authorization": f"Bearer {token}"} if token else {}
+        deadline = idx.bootstrap_timeout_s
         try:
-            async with httpx.AsyncClient(timeout=30) as client:
-                r = await client.get(url, headers=headers)
-                r.raise_for_status()
-            snap = decode_snapshot(r.content, source=url)
+            async with httpx.AsyncClient(headers=headers) as client:
+                answer = await side_get(
+                    client, url, deadline_s=deadline, max_bytes=idx.bootstrap_max_bytes
+                )
+            if answer.status != 200:
+                raise SnapshotError(f"HTTP {answer.status}")
+            snap = decode_snapshot(answer.body, source=url)
             log.info("index loaded from peer %s", idx.bootstrap_peer)
             return snap
+        except TimeoutError:
+            why = f"no whole answer within index.bootstrap_timeout_s = {deadline:g} s"
+        except BodyTooLarge:
+            why = f"larger than index.bootstrap_max_bytes = {idx.bootstrap_max_bytes}"
         except (httpx.HTTPError, SnapshotError) as exc:
-            log.warning("no snapshot from peer %s (%s): replaying the rings", url, exc)
-            return None
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        log.warning("no snapshot from peer %s (%s): replaying the rings", url, why)
+        return None
     if idx.snapshot_path and Path(idx.snapshot_path).is_file():
         try:
             snap = decode_snapshot(Path(idx.snapshot_path).read_bytes(), source=idx.snapshot_path)

@@ -1,4 +1,5 @@
-"""A GET of a replica's side endpoint (``/health``, ``/metrics``) that ends in time, whole.
+"""A GET of a replica's side endpoint (``/health``, ``/metrics``), or of a peer router's index
+snapshot, that ends in time, whole.
 
 httpx's timeouts bound each socket operation, not the exchange: a replica that answers a
 header and then a byte every quarter second is never silent long enough to time out
