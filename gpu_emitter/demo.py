@@ -375,6 +375,8 @@ class Outcome:
     """``x-kvrouter-predicted-hit``: what the events said at routing."""
     expected: int | None = None
     """``x-kvrouter-expected-hit``: plus what the requests routed ahead will store."""
+    in_flight: int = 0
+    """This demo's requests on the same replica when its answer began, this one included."""
     ttft_s: float | None = None
     latency_s: float = 0.0
     error: str | None = None
@@ -445,6 +447,7 @@ async def _send(client: Any, url: str, req: Any, out: Outcome, live: Live) -> No
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             replica = resp.headers.get("x-kvrouter-replica", "?")
             live.in_flight[replica] = live.in_flight.get(replica, 0) + 1
+            out.in_flight = live.in_flight[replica]
             out.predicted = _header_int(resp.headers.get("x-kvrouter-predicted-hit"))
             out.expected = _header_int(resp.headers.get("x-kvrouter-expected-hit"))
             if resp.status_code != 200:
@@ -505,6 +508,11 @@ def percentile(xs: Sequence[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
 
 
+MISPREDICTED_KEPT = 20
+"""Requests whose events-only or admission-time prediction differed from ``cached_tokens``
+kept in ``demo.json`` (``mispredicted``), so a miss can be traced after the run."""
+
+
 def summarize(policy: str, outs: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
     ok = [o for o in outs if o.error is None]
     prompt = sum(o.prompt_tokens for o in ok)
@@ -533,6 +541,20 @@ def summarize(policy: str, outs: Sequence[Outcome], wall_s: float) -> dict[str, 
         "requests_per_replica": dict(sorted(per.items())),
         "prediction_exact_ratio": exact / len(with_pred) if with_pred else None,
         "admission_exact_ratio": exp_exact / len(with_exp) if with_exp else None,
+        "mispredicted": [
+            {
+                "index": o.index,
+                "replica": o.replica,
+                "prompt_tokens": o.prompt_tokens,
+                "cached_tokens": o.cached_tokens,
+                "predicted": o.predicted,
+                "expected": o.expected,
+                "in_flight": o.in_flight,
+            }
+            for o in ok
+            if o.predicted not in (None, o.cached_tokens)
+            or o.expected not in (None, o.cached_tokens)
+        ][:MISPREDICTED_KEPT],
         "wall_s": wall_s,
     }
 

@@ -75,6 +75,7 @@ def test_tiny_demo_compares_policies_and_leaves_no_process(tmp_path: Path) -> No
     for label, r in rows.items():
         assert r["prediction_exact_ratio"] == 1.0, f"{label}: {r}"
         assert r["admission_exact_ratio"] == 1.0, f"{label}: {r}"
+        assert r["mispredicted"] == [], f"{label}: {r['mispredicted']}"
     assert (out / "demo_policies.png").stat().st_size > 1000
     assert (out / "run-hybrid" / "router.toml").read_text().count("[[pools.replicas]]") == 2
     pids = recorded_pids(out)
@@ -167,3 +168,22 @@ def test_an_interrupt_inside_run_async_unwinds_every_task() -> None:
             proc.wait()
     assert proc.returncode == 130, err
     assert out.split() == ["worker", "unwound", "interrupted"], (out, err)
+
+
+def test_the_summary_keeps_the_requests_a_prediction_missed() -> None:
+    from gpu_emitter.demo import Outcome, summarize
+
+    outs = [
+        Outcome(0, "a", 64, 32, predicted=32, expected=32),  # both exact
+        Outcome(1, "a", 64, 32, predicted=0, expected=32),  # a request ahead stored it first
+        Outcome(2, "b", 64, 0, predicted=32, expected=32, in_flight=9),  # evicted meanwhile
+        Outcome(3, "b", 64, 32, predicted=32, expected=None),  # no admission-time view
+        Outcome(4, "b", 64, 0, error="HTTP 500"),  # failed: not a prediction
+    ]
+    row = summarize("kv", outs, 1.0)
+    assert [m["index"] for m in row["mispredicted"]] == [1, 2]
+    assert row["mispredicted"][1] == {
+        "index": 2, "replica": "b", "prompt_tokens": 64, "cached_tokens": 0,
+        "predicted": 32, "expected": 32, "in_flight": 9,
+    }  # fmt: skip
+    assert row["prediction_exact_ratio"] == 2 / 4 and row["admission_exact_ratio"] == 2 / 3
