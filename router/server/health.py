@@ -110,7 +110,7 @@ async def probe_replica(pool: PoolState, rep: ReplicaState) -> None:
         error = f"no answer within {cfg.probe_timeout_s:g} s"
     except Exception as exc:  # connect errors, a client closed by remove_replica, ...
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if pool.replicas.get(rep.name) is not rep:
+    if not pool.holds(rep):
         return  # removed while the probe ran
     log.debug("probe", extra=kv(pool=pool.name, replica=rep.name, error=error))
     _act(pool, rep, rep.health.probe(time.monotonic(), error is None, error))

@@ -64,7 +64,7 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
     good scrape after failures at INFO, every other scrape at DEBUG (one a second per replica
     would bury the log; the latest error is in ``/admin/replicas``' ``scrape_error``)."""
     path = rep.cfg.metrics_path
-    if path is None or _removed(pool, rep):
+    if path is None or not pool.holds(rep):
         return
     before = dict(rep.in_flight)
     where = {"pool": pool.name, "replica": rep.name, "url": rep.cfg.url + path}
@@ -80,9 +80,9 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
     except httpx.HTTPError as exc:
         reason, error = "unreachable", f"{type(exc).__name__}: {exc}"
     except RuntimeError:  # httpx: "the client has been closed", by remove_replica
-        if not _removed(pool, rep):
+        if pool.holds(rep):
             raise
-    if _removed(pool, rep):
+    if not pool.holds(rep):
         # removed (maybe re-added under its name) while the GET ran: its series were dropped
         # and must stay so, and a failure or a restart seen here belongs to no replica
         return
@@ -130,10 +130,6 @@ async def scrape_replica(pool: PoolState, rep: ReplicaState, timeout: float) -> 
         )
     elif started is not None:
         rep.started_at = started
-
-
-def _removed(pool: PoolState, rep: ReplicaState) -> bool:
-    return pool.replicas.get(rep.name) is not rep
 
 
 async def scrape_once(state: RouterState) -> None:

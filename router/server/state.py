@@ -373,11 +373,16 @@ class PoolState:
             return live, False
         return sorted(reps, key=lambda r: r.health.panic_rank()), True
 
+    def holds(self, rep: ReplicaState) -> bool:
+        """``rep`` is still this pool's: not removed, nor replaced by a replica re-added under
+        its name, while a probe, scrape or other await that started with it ran."""
+        return self.replicas.get(rep.name) is rep
+
     def distrust_replica(self, rep: ReplicaState, detail: str) -> None:
         """``rep`` left rotation (down or ejected): what the index holds for it may be stale
         by the time it is back (KVIndex.seen_down), and so are its speculative entries and
         prefix homes."""
-        if self.replicas.get(rep.name) is not rep:
+        if not self.holds(rep):
             return  # removed meanwhile
         for r in rep.ranks:
             key = (rep.name, r)
