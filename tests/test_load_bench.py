@@ -24,6 +24,7 @@ from bench.real_vllm.load import (  # noqa: E402
     kvrouter_config,
     main,
     policy_options,
+    prefill_counts,
     success_counts,
 )
 from bench.real_vllm.load_client import LoadRunner  # noqa: E402
@@ -35,6 +36,7 @@ from bench.real_vllm.load_report import (  # noqa: E402
     paired_base,
     paired_table,
     percentile,
+    prefill_split,
     summarize_run,
     ttft_by_kind,
 )
@@ -241,6 +243,31 @@ def test_ttft_is_pooled_per_kind_of_request() -> None:
     assert lines[3] == "| cache_aware | – | – | – | – |"
 
 
+def test_the_prefill_split_is_the_busier_replicas_share() -> None:
+    """Hand-counted. Run 1: A computed 300 + 100 = 400 uncached tokens, B 100 (80 %); one-offs 2
+    on A, 1 on B (67 %). Run 2: 50 / 50 and one one-off (100 %). Mean 65 % and 83 %. An errored
+    request counts nowhere. vllm-router's run has only the replicas' counters: 600 of 1000."""
+
+    def rec(replica: str | None, prompt: int, cached: int, kind: str = "conversation") -> dict:
+        return {"replica": replica, "prompt_tokens": prompt, "cached_tokens": cached,
+                "kind": kind, "error": None}  # fmt: skip
+
+    run1 = [
+        rec("A", 400, 100, "one_off"),
+        rec("A", 100, 0, "one_off"),
+        rec("B", 100, 0, "one_off"),
+        {**rec("B", 900, 0), "error": "timeout"},
+    ]
+    run2 = [rec("A", 64, 14), rec("B", 50, 0, "one_off")]
+    ca = {"policy": "cache_aware", "records": [rec(None, 100, 0)],
+          "per_replica_prefill": {"A": 400, "B": 600}}  # fmt: skip
+    lines = prefill_split(
+        [{"policy": "kv", "records": run1}, {"policy": "kv", "records": run2}, ca]
+    ).splitlines()
+    assert lines[2] == "| kv | 2 | 65 % (50–80 %) | 83 % (67–100 %) |"
+    assert lines[3] == "| cache_aware | 1 | 60 % (60–60 %) | – |"
+
+
 def test_exactness_is_counted_per_band_of_requests_in_flight() -> None:
     """Hand-counted: at 1 and 4 in flight the admission-time prediction is right, at 25 it
     over-predicts once (what the queue ahead evicted) and an errored answer is not counted."""
@@ -360,6 +387,19 @@ def test_replica_metrics_are_parsed_per_replica_and_handler() -> None:
     assert handler_counts({"A": text, "B": text}) == {
         "/v1/chat/completions 2xx": 24,
         "/v1/completions/render 2xx": 6,
+    }
+
+
+def test_each_replicas_prefill_is_its_prompt_tokens_less_the_cached_ones() -> None:
+    text = (
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 1000.0\n'
+        'vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e9\n'
+        'vllm:prompt_tokens_cached_total{engine="0",model_name="m"} 640.0\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local"} 9.0\n'
+    )
+    assert prefill_counts({"A": text, "B": text.replace("} 640.0", "} 0.0")}) == {
+        "A": 360,
+        "B": 1000,
     }
 
 

@@ -131,6 +131,19 @@ def success_counts(metrics: dict[str, str]) -> dict[str, int]:
     }
 
 
+def prefill_counts(metrics: dict[str, str]) -> dict[str, int]:
+    """Prompt tokens each replica computed rather than found cached (``vllm:prompt_tokens_total``
+    minus ``vllm:prompt_tokens_cached_total``): the prefill it did, known for every policy,
+    vllm-router's too, whose answers do not name the replica."""
+    return {
+        name: int(
+            sum(v for _, v in _samples(text, "vllm:prompt_tokens_total"))
+            - sum(v for _, v in _samples(text, "vllm:prompt_tokens_cached_total"))
+        )
+        for name, text in metrics.items()
+    }
+
+
 def handler_counts(metrics: dict[str, str]) -> dict[str, int]:
     """HTTP requests per (handler, status) over all replicas (``http_requests_total``): shows
     which endpoints a router calls besides the proxied one (e.g. vllm-router's render)."""
@@ -213,6 +226,9 @@ def run_one(label: str, seed: int, repeat: int, args: argparse.Namespace) -> dic
         "requests_planned": plan.requests,
         **summarize_run(records),
         "per_replica": {k: n - success_counts(before)[k] for k, n in success_counts(after).items()},
+        "per_replica_prefill": {
+            k: n - prefill_counts(before).get(k, 0) for k, n in prefill_counts(after).items()
+        },
         "replica_http_requests": {
             k: n - handler_counts(before).get(k, 0) for k, n in handler_counts(after).items()
         },

@@ -226,6 +226,62 @@ def ttft_by_kind(runs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def prefill_split(runs: Sequence[dict[str, Any]]) -> str:
+    """Per policy, how unevenly the prefill fell on the replicas: the busier replica's share of
+    each run's uncached prompt tokens and of its one-offs, as means over runs (min–max).
+
+    Placement trades the two measures against each other: one-offs packed on one replica
+    evict less of the other's families (reuse up), but that replica then prefills most of the
+    round's uncached tokens and its requests wait (TTFT up). Where a run has the replicas' own
+    counters (``per_replica_prefill``, recorded since this table exists) they give the tokens,
+    so vllm-router's runs, whose answers do not name the replica, have a share too; their
+    one-offs show –."""
+    per: dict[str, list[tuple[float, float | None]]] = {}
+    for run in runs:
+        work: dict[str, int] = {}
+        one_offs: dict[str, int] = {}
+        seen = False
+        for r in run.get("records") or ():
+            if r.get("error") is not None or r.get("replica") is None:
+                continue
+            seen = True
+            uncached = max(0, int(r["prompt_tokens"] or 0) - int(r["cached_tokens"] or 0))
+            work[r["replica"]] = work.get(r["replica"], 0) + uncached
+            if r.get("kind") == "one_off":
+                one_offs[r["replica"]] = one_offs.get(r["replica"], 0) + 1
+        measured = run.get("per_replica_prefill")
+        if measured:
+            work, seen = dict(measured), True
+        shares = per.setdefault(run["policy"], [])
+        if seen and sum(work.values()):
+            oo = sum(one_offs.values())
+            shares.append(
+                (
+                    100 * max(work.values()) / sum(work.values()),
+                    100 * max(one_offs.values()) / oo if oo else None,
+                )
+            )
+    lines = [
+        "| policy | runs | busier replica's share of uncached prompt tokens "
+        "| busier replica's share of one-offs |",
+        "|---|---|---|---|",
+    ]
+    for policy in _order(per):
+        work_shares = [w for w, _ in per[policy]]
+        oo_shares = [o for _, o in per[policy] if o is not None]
+        lines.append(
+            f"| {policy} | {len(work_shares)} "
+            f"| {_spread_pct(work_shares)} | {_spread_pct(oo_shares)} |"
+        )
+    return "\n".join(lines)
+
+
+def _spread_pct(values: Sequence[float]) -> str:
+    if not values:
+        return "–"
+    return f"{statistics.fmean(values):.0f} % ({min(values):.0f}–{max(values):.0f} %)"
+
+
 def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
     """Per policy: reuse and TTFT mean / p90 per seed (repeats comma-separated, seeds split by
     ``/``), mean ± standard deviation (min–max) over all runs, and prediction exactness."""
@@ -435,6 +491,8 @@ def report(doc: dict[str, Any]) -> str:
             paired_table(runs),
             "\n## TTFT by kind of request (every request of the round)\n",
             ttft_by_kind(runs),
+            "\n## Where the prefill went (uncached prompt tokens and one-offs per replica)\n",
+            prefill_split(runs),
             "\n## Where reuse is lost (bench/real_vllm/load_losses.py)\n",
             losses_table(doc, _order({r["policy"] for r in runs})),
             "\n## Against the ceiling (no eviction, no split family: load_losses.run_ceiling)\n",
