@@ -64,7 +64,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -82,6 +81,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from gpu_emitter.demo import (  # noqa: E402
     MODEL,
@@ -355,19 +355,14 @@ async def send(
 # ----------------------------------------------------------------------------- the router
 
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Prometheus text exposition as (name, labels, value) samples."""
-    out = []
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            with contextlib.suppress(ValueError):
-                out.append((m[1], dict(_LABEL.findall(m[2] or "")), float(m[3])))
-    return out
+    """Prometheus text exposition as (name, labels, value) samples (prometheus_client's
+    parser: the router's page is written by prometheus_client, so it always parses)."""
+    return [
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
 
 
 def metric_sum(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:

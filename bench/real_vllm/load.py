@@ -48,7 +48,6 @@ import asyncio
 import dataclasses
 import json
 import random
-import re
 import shlex
 import shutil
 import sys
@@ -59,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.plots import plot_real_vllm_load
 from bench.real_vllm.exactness import MODEL
@@ -113,14 +113,14 @@ def scrape(fleet: VllmFleet) -> dict[str, str]:
     return {r.name: httpx.get(f"{r.url}/metrics", timeout=10).text for r in fleet.replicas}
 
 
-def _samples(text: str, name: str) -> list[tuple[str, float]]:
-    """(labels, value) of every sample of metric ``name``."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            labels, _, value = line[len(name) + 1 :].rpartition("} ")
-            out.append((labels, float(value)))
-    return out
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample named ``name`` (prometheus_client's parser)."""
+    return [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    ]
 
 
 def success_counts(metrics: dict[str, str]) -> dict[str, int]:
@@ -149,8 +149,7 @@ def handler_counts(metrics: dict[str, str]) -> dict[str, int]:
     which endpoints a router calls besides the proxied one (e.g. vllm-router's render)."""
     out: dict[str, int] = {}
     for text in metrics.values():
-        for labels, v in _samples(text, "http_requests_total"):
-            tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        for tags, v in _samples(text, "http_requests_total"):
             key = f"{tags.get('handler', '?')} {tags.get('status', '?')}"
             out[key] = out.get(key, 0) + int(v)
     return out
