@@ -419,14 +419,14 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas (bench/real_vllm/load.py --rate 3) one run homed five of six families on one
     replica. Measured there (3 seeds x 3 repeats, bench/results/real_vllm_load_spread.md) at
     2048 on top of homes x8: no five-family run and 7 of 9 runs split 3/3, but reuse 63.0 %
-    against 62.9 % without, less in 5 of 9 pairs. At ``--rate 6`` (README, issue 17: four
-    rounds at 2048, two at 1024) it kept ``kv`` at or above vllm-router's ``cache_aware`` on 11
-    of 12 and 6 of 6 seeds (the defaults: 6 of 9 in the same rounds), +0.46 and +0.50 points
-    over the defaults, but won at most half of the TTFT pairs against group-blind routing,
-    which the defaults win most of: it piles the one-offs on the replica with fewer families
-    (71 % of them there in round 8, and 64 % of the prefill). 0, off: on a small fleet that
-    values reuse over latency, 2048. Needs prefix homes (``affinity_weight > 0``); such
-    requests are decided by the full scan, not the shortlist (docs/decision-cost.md)."""
+    against 62.9 % without, less in 5 of 9 pairs. At ``--rate 6`` (README, issue 17: five
+    rounds at 2048, two at 1024) it kept ``kv`` at or above vllm-router's ``cache_aware`` on 14
+    of 15 and 6 of 6 seeds (the defaults: 8 of 12 in the rounds run beside them), +0.48 and
+    +0.50 points over the defaults, at a TTFT close to theirs (it can pile the one-offs on the
+    replica with fewer families: 71 % of them there in one round, and 64 % of the prefill). 0,
+    off, because a request no candidate is home to then skips the decision shortlist: the full
+    scan costs ~3 ms at 256 replicas (docs/decision-cost.md). On a small fleet that values
+    reuse, 2048. Needs prefix homes (``affinity_weight > 0``)."""
     affinity_chunk_tokens: int = 64
     """Granularity of prefix homes: a chunk is homed once a request carried all of it."""
     affinity_capacity: int = 100_000
