@@ -25,6 +25,7 @@ from bench.real_vllm.load import (  # noqa: E402
     main,
     policy_options,
     prefill_counts,
+    since,
     success_counts,
 )
 from bench.real_vllm.load_client import LoadRunner  # noqa: E402
@@ -401,6 +402,9 @@ def test_each_replicas_prefill_is_its_prompt_tokens_less_the_cached_ones() -> No
         "A": 360,
         "B": 1000,
     }
+    # a run's share is what the counters grew by between the scrapes before and after it
+    later = {"A": text.replace("} 1000.0", "} 1500.0"), "B": text}
+    assert since(prefill_counts, {"A": text}, later) == {"A": 500, "B": 360}  # B: new
 
 
 def test_losses_split_each_kind_by_its_own_limit() -> None:

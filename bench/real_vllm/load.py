@@ -53,6 +53,7 @@ import shutil
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -123,11 +124,20 @@ def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     ]
 
 
+def _sums(text: str, *names: str) -> list[float]:
+    """The sum over all labels of each metric in ``names``, from one parse of ``text``."""
+    totals = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return list(totals.values())
+
+
 def success_counts(metrics: dict[str, str]) -> dict[str, int]:
     """Finished requests per replica (``vllm:request_success_total``, all reasons)."""
     return {
-        name: int(sum(v for _, v in _samples(text, "vllm:request_success_total")))
-        for name, text in metrics.items()
+        name: int(_sums(text, "vllm:request_success_total")[0]) for name, text in metrics.items()
     }
 
 
@@ -135,13 +145,11 @@ def prefill_counts(metrics: dict[str, str]) -> dict[str, int]:
     """Prompt tokens each replica computed rather than found cached (``vllm:prompt_tokens_total``
     minus ``vllm:prompt_tokens_cached_total``): the prefill it did, known for every policy,
     vllm-router's too, whose answers do not name the replica."""
-    return {
-        name: int(
-            sum(v for _, v in _samples(text, "vllm:prompt_tokens_total"))
-            - sum(v for _, v in _samples(text, "vllm:prompt_tokens_cached_total"))
-        )
-        for name, text in metrics.items()
-    }
+    out = {}
+    for name, text in metrics.items():
+        total, cached = _sums(text, "vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total")
+        out[name] = int(total - cached)
+    return out
 
 
 def handler_counts(metrics: dict[str, str]) -> dict[str, int]:
@@ -153,6 +161,16 @@ def handler_counts(metrics: dict[str, str]) -> dict[str, int]:
             key = f"{tags.get('handler', '?')} {tags.get('status', '?')}"
             out[key] = out.get(key, 0) + int(v)
     return out
+
+
+def since(
+    count: Callable[[dict[str, str]], dict[str, int]],
+    before: dict[str, str],
+    after: dict[str, str],
+) -> dict[str, int]:
+    """What ``count`` (one of the counters above) grew by between two scrapes, per key."""
+    was = count(before)
+    return {k: n - was.get(k, 0) for k, n in count(after).items()}
 
 
 def new_fleet(args: argparse.Namespace) -> VllmFleet:
@@ -224,13 +242,9 @@ def run_one(label: str, seed: int, repeat: int, args: argparse.Namespace) -> dic
         "options": options if policy in KVROUTER_POLICIES else {},
         "requests_planned": plan.requests,
         **summarize_run(records),
-        "per_replica": {k: n - success_counts(before)[k] for k, n in success_counts(after).items()},
-        "per_replica_prefill": {
-            k: n - prefill_counts(before).get(k, 0) for k, n in prefill_counts(after).items()
-        },
-        "replica_http_requests": {
-            k: n - handler_counts(before).get(k, 0) for k, n in handler_counts(after).items()
-        },
+        "per_replica": since(success_counts, before, after),
+        "per_replica_prefill": since(prefill_counts, before, after),
+        "replica_http_requests": since(handler_counts, before, after),
         "timed_out": not finished,
         "fleet_start_s": fleet_s,
         "startup_s": startup_s,
