@@ -203,7 +203,15 @@ def test_terminating_pod_is_drained_then_removed_when_its_requests_end(env: Env)
         assert "vllm-a" in env.replicas()  # still there while its request runs
     # the client went away: its request ends, the drained replica is idle and removed
     env.wait_replicas("vllm-b", absent=("vllm-a",))
-    assert env.metric("kvrouter_discovery_replica_changes_total", pool=MODEL, change="removed") == 1
+    # counted once the removal (which awaits the replica's clients closing) has returned, a
+    # moment after the pool stopped listing it
+    wait_for(
+        lambda: env.metric(
+            "kvrouter_discovery_replica_changes_total", pool=MODEL, change="removed"
+        ) == 1,
+        20,
+        "the removal counted",
+    )  # fmt: skip
     assert env.metric("kvrouter_discovery_replicas", pool=MODEL, state="draining") == 0
     env.api.delete("vllm-a")
     wait_for(lambda: "vllm-a" not in env.status()["pods"], 20, "the deleted pod forgotten")
