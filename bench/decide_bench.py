@@ -62,6 +62,7 @@ def make_pool(
     load_band_tokens: float = 0.0,
     affinity_fair_share: float | None = None,
     forecast: bool = False,
+    family_spread_tokens: float = 0.0,
 ) -> PoolState:
     """The router's own pool (fa + swa 128, 16-token blocks) over replicas with no event
     stream, each reset to known-empty and so trusted (tests/test_speculative.py uses it too).
@@ -87,6 +88,8 @@ speculative_routing = {"true" if routing else "false"}
         toml += f"affinity_fair_share = {float(affinity_fair_share)}\n"
     if forecast:
         toml += "eviction_forecast = true\n"
+    if family_spread_tokens:
+        toml += f"family_spread_tokens = {float(family_spread_tokens)}\n"
     for name in names:
         toml += f'[[pools.replicas]]\nname = "{name}"\nurl = "http://127.0.0.1:9"\n'
     return pool_from_toml(toml)

@@ -271,12 +271,20 @@ def run_replicas(replicas: int, args: argparse.Namespace) -> tuple[list[dict], d
         speculative=False,
         seed=args.seed,
         load_band_tokens=args.band,
+        family_spread_tokens=args.spread,
     )
     build_s = time.perf_counter() - t0
-    if args.band:  # a fleet at work: some load on each replica and each cache's churn
+    if args.band or args.spread:  # a fleet at work: some load on each replica
         for rep in pool.replicas.values():
             rep.request_started(0, rng.choice([0, 0, 512, 2048, 16_384]))
-            pool.wrote(rep, 0, rng.randint(1, 50_000))
+            if args.band:  # and each cache's churn
+                pool.wrote(rep, 0, rng.randint(1, 50_000))
+    if args.spread and pool.homes is not None:  # 0-4 prefix families homed on each replica
+        for key in pool.index.replicas():
+            for _ in range(rng.randint(0, 4)):
+                chunks = pool.homes.keys(token_ids(rng, 128))
+                pool.homes.record(chunks, key)
+                pool.homes.record(chunks, key)  # carried twice: a family
     if args.full_scan:
         pool._decide_shortlist = lambda *a, **k: None  # type: ignore[method-assign]
     bg = Background(pool, rng, args.blocks_per_replica, args.removals)
@@ -376,6 +384,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--band", type=float, default=0.0,
                     help="the kv policy's load_band_tokens; each replica then gets some load "
                          "and a cache-churn history before the decisions")  # fmt: skip
+    ap.add_argument(
+        "--spread",
+        type=float,
+        default=0.0,
+        help="the kv policy's family_spread_tokens; each replica then gets some load "
+        "and 0-4 prefix families",
+    )
     ap.add_argument("--full-scan", action="store_true",
                     help="decide by the full scan only (no shortlist): what it saves")  # fmt: skip
     ap.add_argument("--quick", action="store_true",
@@ -416,6 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"load_band_tokens = {args.band:g}, each replica with 0-16k tokens queued and "
                 "1-50k new tokens written"
                 if args.band
+                else f"family_spread_tokens = {args.spread:g}, each replica with 0-16k tokens "
+                "queued and 0-4 prefix families"
+                if args.spread
                 else "defaults"
             )
             + (", full scan only" if args.full_scan else ""),

@@ -330,6 +330,10 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("strategy 'local' needs `path`: the replica's tokenizer directory")
 
 
+DEFAULT_FAMILY_SPREAD_TOKENS = 2048.0
+"""``PolicyConfig.family_spread_tokens`` where it is unset and prefix homes are on."""
+
+
 class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The cost model's knobs (router.core.policy documents the formula)."""
 
@@ -410,23 +414,22 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     33.9 % at 4 / 16 replicas) at a higher p99 than weight 2 had. It costs 5-25 us per
     2,000-token decision on top of homes' ~120 us (bench/decide_bench.py, 2-128 replicas,
     medians: "no fair share" against "off")."""
-    family_spread_tokens: float = 0.0
+    family_spread_tokens: float | None = None
     """Cost, in prefill tokens, of each prefix family already homed on a replica (a first
     chunk that a second request carried, router.core.affinity), charged only to a request that
     no candidate is home to: a new prefix goes to the replica hosting fewer families unless
     its queue is longer by more than this per family of difference. Without it the first
     request of each family is placed by the queue of that moment, for good: on two real vLLM
     replicas (bench/real_vllm/load.py --rate 3) one run homed five of six families on one
-    replica. Measured there (3 seeds x 3 repeats, bench/results/real_vllm_load_spread.md) at
-    2048 on top of homes x8: no five-family run and 7 of 9 runs split 3/3, but reuse 63.0 %
-    against 62.9 % without, less in 5 of 9 pairs. At ``--rate 6`` (README, issue 17: five
-    rounds at 2048, two at 1024) it kept ``kv`` at or above vllm-router's ``cache_aware`` on 14
-    of 15 and 6 of 6 seeds (the defaults: 8 of 12 in the rounds run beside them), +0.48 and
-    +0.50 points over the defaults, at a TTFT close to theirs (it can pile the one-offs on the
-    replica with fewer families: 71 % of them there in one round, and 64 % of the prefill). 0,
-    off, because a request no candidate is home to then skips the decision shortlist: the full
-    scan costs ~3 ms at 256 replicas (docs/decision-cost.md). On a small fleet that values
-    reuse, 2048. Needs prefix homes (``affinity_weight > 0``)."""
+    replica. Unset: :data:`DEFAULT_FAMILY_SPREAD_TOKENS` where prefix homes are on
+    (``affinity_weight > 0``), else 0 (no families to count); 0: off. At ``--rate 6`` (README,
+    issue 17: the rounds at 2048 beside the same policy without it) it kept ``kv`` at or above
+    vllm-router's ``cache_aware`` on 14 of 15 seeds (without it: 8 of 12 in the rounds run
+    beside them), +0.48 points of reuse over 0 (more in 22 of 30 pairs), at a TTFT close to
+    it (it can pile the one-offs on the replica with fewer families: 71 % of them there in
+    one round, and 64 % of the prefill). The decision shortlist keeps replicas by family count
+    too (router.core.shortlist), so it costs a few scores per decision, not a scan; only with
+    a load band (``load_band_tokens > 0``) does a new prefix go to the full scan."""
     affinity_chunk_tokens: int = 64
     """Granularity of prefix homes: a chunk is homed once a request carried all of it."""
     affinity_capacity: int = 100_000
@@ -468,6 +471,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     added as many under-predictions (README, "Under concurrent load")."""
 
     def __post_init__(self) -> None:
+        if self.family_spread_tokens is None:  # unset: on wherever prefix homes keep families
+            spread = DEFAULT_FAMILY_SPREAD_TOKENS if self.affinity_weight > 0 else 0.0
+            msgspec.structs.force_setattr(self, "family_spread_tokens", spread)
         if self.speculative_ttl_s <= 0 or self.speculative_hold_s <= 0:
             raise ValueError(
                 "speculative_ttl_s and speculative_hold_s must be > 0 "
@@ -495,7 +501,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 "family_spread_tokens counts the families prefix homes keep, and "
                 "affinity_weight = 0 turns prefix homes off: set affinity_weight > 0 or "
-                "family_spread_tokens = 0"
+                "family_spread_tokens = 0 (or leave it unset)"
             )
         for tier, w in self.lower_tier_weights.items():
             if tier not in ("CPU", "STORAGE") or not 0 <= w <= 1:

@@ -15,7 +15,13 @@ from events.hashing import native_chain
 from router.config import PolicyConfig
 from router.core import affinity
 from router.core.affinity import PrefixHomes
-from router.core.policy import Candidate, KVCostPolicy, crowded_homes, request_load
+from router.core.policy import (
+    Candidate,
+    KVCostPolicy,
+    crowded_homes,
+    new_prefix,
+    request_load,
+)
 from router.server.metrics import RouterMetrics
 
 A, B = ("a", 0), ("b", 0)
@@ -92,20 +98,32 @@ def test_a_first_chunk_a_second_request_carries_makes_a_family() -> None:
 
 
 def test_a_family_leaves_with_its_first_chunk() -> None:
+    """Each change of a replica's family count is also reported once by
+    ``take_family_changes`` (the shortlist re-files the replica by it)."""
     homes = PrefixHomes(chunk_tokens=2, capacity=3)
     homes.record(homes.keys([1, 1]), A)
+    assert homes.take_family_changes() == set()  # a first carrier is no family
     homes.record(homes.keys([1, 1, 2, 2]), A)  # a family on A
     assert homes.families_by_replica() == {A: 1}
+    assert homes.take_family_changes() == {A} and homes.take_family_changes() == set()
     homes.record(homes.keys([3, 3, 4, 4]), B)  # over capacity: [1, 1] is the oldest
     assert homes.families_by_replica() == {}
+    assert homes.take_family_changes() == {A}
     new = homes.record(homes.keys([3, 3]), A)  # a family on B; the home is B's, nothing new
     assert new == [] and homes.families_by_replica() == {B: 1}
+    assert homes.take_family_changes() == {B}
     # a request that failed over withdraws the chunks it homed, a family's first among them
     made = homes.record(homes.keys([6, 6]), B)
     homes.record(homes.keys([6, 6]), B)
     assert homes.families_by_replica() == {B: 2}
+    homes.take_family_changes()
     homes.withdraw(made, B)
     assert homes.families_by_replica() == {B: 1}
+    assert homes.take_family_changes() == {B}
+    homes.forget_replica(A)  # no family there: nothing to re-file
+    assert homes.take_family_changes() == set()
+    homes.forget_replica(B)
+    assert homes.take_family_changes() == {B}
 
 
 @pytest.mark.parametrize(("chunk", "capacity"), [(0, 10), (4, 0)])
@@ -449,9 +467,32 @@ def test_a_new_prefix_goes_where_fewer_families_live() -> None:
     # a queue gap beyond the families' difference (2 x 400) still decides
     d = KVCostPolicy(cfg).choose(1000, [a, dataclasses.replace(b, pending_prefill_tokens=801)])
     assert d.chosen.key == ("a", 0)
-    # off (the default): the queue decides at once
-    d = KVCostPolicy(PolicyConfig()).choose(1000, [a, b])
+    # off: the queue decides at once
+    d = KVCostPolicy(PolicyConfig(family_spread_tokens=0.0)).choose(1000, [a, b])
     assert d.chosen.key == ("a", 0) and [s.spread for s in d.ranked] == [0, 0]
+    # the default where prefix homes are on: 2048 per family, so two families outweigh 500
+    d = KVCostPolicy(PolicyConfig()).choose(1000, [a, b])
+    assert d.chosen.key == ("b", 0) and [s.spread for s in d.ranked] == [2048, 6144]
+    # without prefix homes there are no families to count: the unset spread is off
+    assert PolicyConfig(affinity_weight=0.0).family_spread_tokens == 0.0
+
+
+def test_a_prefix_cached_without_a_home_is_not_pushed_off_its_cache() -> None:
+    """Another client sent the prefix straight to 'a' (so the router homed it nowhere): its
+    160-token hit there decides, whatever 'a' hosts. An untrusted replica's claim is no hit,
+    and the request is then a new prefix like any other."""
+    a = Candidate(("a", 0), hit_tokens=160, fa_prefix_tokens=160, families=3)
+    b = Candidate(("b", 0))
+    cfg = PolicyConfig()
+    assert not new_prefix(cfg, [a, b])
+    d = KVCostPolicy(cfg).choose(1000, [a, b])
+    assert d.chosen.key == ("a", 0) and [s.spread for s in d.ranked] == [0, 0]
+    offloaded = dataclasses.replace(a, hit_tokens=0, fa_prefix_tokens=0, tier_hits={"CPU": 160})
+    assert not new_prefix(cfg, [offloaded, b])  # a lower tier holds it: not new either
+    guess = [dataclasses.replace(a, trusted=False), b]
+    assert new_prefix(cfg, guess)
+    d = KVCostPolicy(cfg).choose(1000, guess)
+    assert d.chosen.key == ("b", 0) and d.ranked[1].spread == 3 * 2048
 
 
 def test_a_request_with_a_home_anywhere_pays_no_spread() -> None:
@@ -475,7 +516,7 @@ def test_the_spread_only_ever_moves_a_new_prefix_toward_fewer_families(rows: lis
         for i, (f, q) in enumerate(rows)
     ]
     with_spread = KVCostPolicy(PolicyConfig(affinity_weight=2.0, family_spread_tokens=300.0))
-    queue_only = KVCostPolicy(PolicyConfig(affinity_weight=2.0))
+    queue_only = KVCostPolicy(PolicyConfig(affinity_weight=2.0, family_spread_tokens=0.0))
     got = with_spread.choose(500, cands).chosen
     plain = queue_only.choose(500, cands)
     by_key = {c.key: c for c in cands}

@@ -23,6 +23,7 @@ from router.core.policy import (
     Candidate,
     KVCostPolicy,
     NoCandidates,
+    new_prefix,
     queued_tokens,
     request_load,
 )
@@ -53,7 +54,7 @@ def pure_case(draw: st.DrawFn) -> tuple:
         affinity_weight=affinity,
         pressure_weight=draw(st.sampled_from([0.0, 0.5])),
         load_band_tokens=draw(st.sampled_from([0.0, 0.0, 300.0, 4096.0])),
-        family_spread_tokens=draw(st.sampled_from([0.0, 300.0])) if affinity else 0.0,
+        family_spread_tokens=draw(st.sampled_from([0.0, 256.0, 300.0])) if affinity else 0.0,
         affinity_fair_share=draw(st.sampled_from([0.0, 1.0, 2.0])),
     )
     families = st.sampled_from([0, 0, 1, 3])
@@ -111,11 +112,11 @@ def pure_case(draw: st.DrawFn) -> tuple:
 @given(pure_case())
 def test_choose_shortlist_equals_the_full_scan(case: tuple) -> None:
     cfg, explicit, members, churns, also, excluded, seed = case
-    book = LoadBook(churn_order=cfg.load_band_tokens > 0)
+    book = LoadBook(churn_order=cfg.load_band_tokens > 0, family_order=cfg.family_spread_tokens > 0)
     for key, c in members.items():
-        book.put(key, queued_tokens(c, cfg), churns[key], request_load(c))
-    for key in also:  # (a skipped member's load must not count, whatever the book says)
-        book.put(key, 256.0, load=5)
+        book.put(key, queued_tokens(c, cfg), churns[key], request_load(c), c.families)
+    for key in also:  # (a skipped member's load and families must not count either)
+        book.put(key, 256.0, load=5, families=2)
     fast_policy = KVCostPolicy(cfg, random.Random(seed))
     ref_policy = KVCostPolicy(cfg, random.Random(seed))
     n = 1024
@@ -125,9 +126,9 @@ def test_choose_shortlist_equals_the_full_scan(case: tuple) -> None:
         ref = ref_policy.choose(n, cands)
     except NoCandidates:
         ref = None
-    # a new prefix under the family spread (every replica's families count) is declined
-    # before anything else is looked at; the full scan then decides it (or finds no candidate)
-    spread_declines = cfg.family_spread_tokens > 0 and not any(c.home_tokens for c in explicit)
+    # a new prefix under the family spread with a load band (every replica's families count,
+    # which the band's walk does not read) is declined before anything else is looked at
+    spread_declines = cfg.load_band_tokens > 0 and new_prefix(cfg, explicit)
     if ref is None:
         if spread_declines:
             assert choose_shortlist(fast_policy, n, explicit, book, skip, now=NOW) is None
@@ -146,9 +147,10 @@ def test_choose_shortlist_equals_the_full_scan(case: tuple) -> None:
 
 
 def test_a_big_idle_tie_is_decided_without_listing_it() -> None:
-    """256 idle replicas tie: one draw over all of them, the pick located by bisection."""
+    """256 idle replicas tie: one draw over all of them, the pick located by bisection (a new
+    prefix under the default family spread: one segment, no family anywhere)."""
     cfg = PolicyConfig()
-    book = LoadBook()
+    book = LoadBook(family_order=True)
     keys = [(f"r{i:03d}", 0) for i in range(256)]
     for key in keys:
         book.put(key, 0.0)
@@ -160,11 +162,71 @@ def test_a_big_idle_tie_is_decided_without_listing_it() -> None:
         assert fast.tied == 256 and len(fast.ranked) == 1
 
 
+class _CountingPolicy(KVCostPolicy):
+    """Counts the scores a decision computes (what the shortlist exists to keep few)."""
+
+    scores = 0
+
+    def score_queued(self, num_tokens: int, c: Candidate, queued: float):  # type: ignore[no-untyped-def]
+        self.scores += 1
+        return super().score_queued(num_tokens, c, queued)
+
+
+def test_a_new_prefix_under_the_family_spread_scores_one_run_per_family_count() -> None:
+    """256 replicas with 0-3 families each and a few queue lengths: a new prefix pays
+    ``spread · families`` everywhere, and the book's family order finds the cheapest without
+    scoring each replica (one run per family count, and those past the best stop at once)."""
+    cfg = PolicyConfig(family_spread_tokens=2048.0)
+    book = LoadBook(family_order=True)
+    rng = random.Random(3)
+    cands = []
+    for i in range(256):
+        key = (f"r{i:03d}", 0)
+        c = Candidate(
+            key,
+            pending_prefill_tokens=rng.choice([0, 512, 4096]),
+            families=rng.choice([0, 1, 2, 3]),
+        )
+        book.put(key, queued_tokens(c, cfg), families=c.families)
+        cands.append(c)
+    for seed in range(10):
+        policy = _CountingPolicy(cfg, random.Random(seed))
+        fast = choose_shortlist(policy, 2048, [], book, [])
+        ref = KVCostPolicy(cfg, random.Random(seed)).choose(2048, cands)
+        assert fast is not None
+        _same(fast, ref)
+        assert policy.rng.getstate() != random.Random(seed).getstate()  # one draw among the tied
+        assert fast.chosen.spread == 0.0 and fast.chosen.queued == 0.0
+        # the families-0 segment: its floor, the idle run and the next (beyond the best); then
+        # the families-1 floor is beyond it too, and the walk ends without reading 2 and 3
+        assert policy.scores == 4
+
+
+def test_runs_of_one_cost_in_different_family_counts_tie_as_the_full_scan_ties_them() -> None:
+    """A family more and a queue shorter by the spread cost the same float: the tied replicas
+    come from two segments of the family order, and each is scored with its own terms."""
+    cfg = PolicyConfig(family_spread_tokens=300.0)
+    book = LoadBook(family_order=True)
+    cands = []
+    for i, (queued, families) in enumerate([(300, 0), (0, 1), (300, 0), (0, 1), (600, 0)]):
+        key = (f"r{i}", 0)
+        cands.append(Candidate(key, pending_prefill_tokens=queued, families=families))
+        book.put(key, float(queued), families=families)
+    chosen = set()
+    for seed in range(40):
+        fast = choose_shortlist(KVCostPolicy(cfg, random.Random(seed)), 1000, [], book, [])
+        ref = KVCostPolicy(cfg, random.Random(seed)).choose(1000, cands)
+        assert fast is not None and fast.tied == 4
+        _same(fast, ref)
+        chosen.add(fast.chosen.key)
+    assert chosen == {("r0", 0), ("r1", 0), ("r2", 0), ("r3", 0)}
+
+
 def test_a_banded_fleet_goes_to_its_least_churned_replica_without_listing_it() -> None:
     """With a load band every idle replica ties; the full scan takes the one whose cache
     turned over least. The shortlist finds it in the book's churn order: it reports only the
     chosen one and draws nothing (one replica is lightest)."""
-    cfg = PolicyConfig(load_band_tokens=4096)
+    cfg = PolicyConfig(load_band_tokens=4096, family_spread_tokens=0.0)  # (no family walk)
     book = LoadBook(churn_order=True)
     cands = []
     rng = random.Random(7)
@@ -192,7 +254,7 @@ def test_an_excluded_replica_with_the_same_churn_is_never_chosen() -> None:
     replica filed before the lightest eligible one is inside its group and must be taken out
     of the draw. (Found by the property above: the shortlist once routed to ("r00", 1), the
     excluded replica.)"""
-    cfg = PolicyConfig(load_band_tokens=300.0)
+    cfg = PolicyConfig(load_band_tokens=300.0, family_spread_tokens=0.0)
     book = LoadBook(churn_order=True)
     sums = {}
     for key in [("r00", 1), ("r01", 0)]:
@@ -230,11 +292,20 @@ def test_a_write_alone_reorders_the_banded_book() -> None:
 def test_it_declines_what_it_cannot_decide_exactly() -> None:
     book = LoadBook()
     book.put(("a", 0), 0.0)
-    for cfg in (PolicyConfig(temperature=1.0), PolicyConfig(load_band_tokens=float("inf"))):
+    for cfg in (
+        PolicyConfig(temperature=1.0),
+        PolicyConfig(load_band_tokens=float("inf")),
+        PolicyConfig(),  # a new prefix under the family spread, and a book without families
+        PolicyConfig(load_band_tokens=300.0),  # ... and one with a band (its walk reads none)
+    ):
         policy = KVCostPolicy(cfg, random.Random(1))
         state = policy.rng.getstate()
         assert choose_shortlist(policy, 100, [], book, []) is None
         assert policy.rng.getstate() == state  # nothing consumed
+    # with the families kept and no band, a new prefix is the shortlist's
+    families = LoadBook(family_order=True)
+    families.put(("a", 0), 0.0, families=1)
+    assert choose_shortlist(KVCostPolicy(PolicyConfig()), 100, [], families, []) is not None
     with pytest.raises(ValueError, match="finite"):
         book.put(("b", 0), float("nan"))
 
@@ -282,7 +353,7 @@ def pool_case(draw: st.DrawFn) -> dict:
     reps = [(f"r{i}", draw(st.sampled_from([1, 1, 2]))) for i in range(n)]
     swa = draw(st.booleans())
     affinity = draw(st.sampled_from([0.0, 2.0, 2.0]))
-    spread = draw(st.sampled_from([0.0, 300.0])) if affinity else 0.0
+    spread = draw(st.sampled_from([0.0, 256.0, 300.0])) if affinity else 0.0
     cfg = "\n".join(
         [
             f"seed = {draw(st.integers(0, 1000))}",
@@ -376,9 +447,9 @@ def test_pool_shortlist_equals_the_full_scan(case: dict) -> None:
             ref = policy.choose(len(p), cands)
         except NoCandidates:
             ref = None
-        # with the family spread on, a prefix no candidate is home to is the full scan's
-        # (every replica's families count): the shortlist declines it by design
-        if policy.cfg.family_spread_tokens == 0 or any(c.home_tokens for c in cands):
+        # with the family spread and a load band on, a prefix no candidate is home to is the
+        # full scan's (the band's walk does not read families): declined by design
+        if policy.cfg.load_band_tokens == 0 or not new_prefix(policy.cfg, cands):
             servable += ref is not None
         after = policy.rng.getstate()
         policy.rng.setstate(before)

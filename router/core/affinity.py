@@ -76,7 +76,15 @@ _chunk_chain = _load_chunk_chain()
 class PrefixHomes:
     """Chunk-chain hash -> the replica that chunk was first routed to (LRU-bounded)."""
 
-    __slots__ = ("_counts", "_families", "_homes", "_reused", "capacity", "chunk_tokens")
+    __slots__ = (
+        "_counts",
+        "_families",
+        "_family_changes",
+        "_homes",
+        "_reused",
+        "capacity",
+        "chunk_tokens",
+    )
 
     def __init__(self, chunk_tokens: int = 64, capacity: int = 100_000) -> None:
         if chunk_tokens < 1 or capacity < 1:
@@ -91,6 +99,8 @@ class PrefixHomes:
         self._reused: set[int] = set()
         """First chunks a second request carried while homed: the families."""
         self._families: dict[ReplicaKey, int] = {}
+        self._family_changes: set[ReplicaKey] = set()
+        """Replicas whose family count changed since :meth:`take_family_changes`."""
 
     def __len__(self) -> int:
         return len(self._homes)
@@ -135,6 +145,7 @@ class PrefixHomes:
             if at is not None and root not in self._reused:
                 self._reused.add(root)
                 self._families[at] = self._families.get(at, 0) + 1
+                self._family_changes.add(at)
         new = []
         for h in keys:
             if h in homes:
@@ -179,6 +190,7 @@ class PrefixHomes:
 
     def _unfamily(self, root: int, replica: ReplicaKey) -> None:
         self._reused.discard(root)
+        self._family_changes.add(replica)
         left = self._families[replica] - 1
         if left:
             self._families[replica] = left
@@ -193,7 +205,8 @@ class PrefixHomes:
             del self._homes[h]
             self._reused.discard(h)
         self._counts.pop(replica, None)
-        self._families.pop(replica, None)
+        if self._families.pop(replica, None) is not None:
+            self._family_changes.add(replica)
         return len(gone)
 
     def homes_by_replica(self) -> dict[ReplicaKey, int]:
@@ -204,6 +217,14 @@ class PrefixHomes:
         """Families homed on ``replica`` (module docstring): what ``family_spread_tokens``
         charges a new prefix there."""
         return self._families.get(replica, 0)
+
+    def take_family_changes(self) -> set[ReplicaKey]:
+        """The replicas whose :meth:`families` changed since the last call (a family formed,
+        or its first chunk was forgotten), for a caller that files replicas by their count
+        (router.core.shortlist's family order); the record starts over. At most one entry
+        per replica however many changes."""
+        changed, self._family_changes = self._family_changes, set()
+        return changed
 
     def families_by_replica(self) -> dict[ReplicaKey, int]:
         """Families homed on each replica (for metrics and the admin API)."""

@@ -13,7 +13,7 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
     pressure      = pressure_weight · recent_new_tokens
     affinity      = min(affinity_max_tokens, affinity_weight · home_tokens)
                     (0 where the home holds more than its fair share of the requests)
-    spread        = family_spread_tokens · families     (only where no candidate is home)
+    spread        = family_spread_tokens · families     (only for a new prefix: no home, no hit)
     cost          = prefill + queued - look_ahead + pressure - affinity + spread
 
 * ``hit`` is the exact hybrid hit vLLM will report (router.core.predict): the local hit plus
@@ -78,12 +78,14 @@ The ``kv`` cost model, in prefill-token equivalents (lower is better)::
   or more never binds (a replica's load is at most twice the mean).
 
 * **Family spread.** ``families`` are the prefix families homed on the replica (first chunks a
-  second request carried, router.core.affinity). A request no candidate is home to is a new
-  prefix: a one-off, or the first request of what may become a family, which then stays where
-  this decision puts it. Charging each family already there keeps a passing queue from
-  stacking the families on one replica (and the prefill and eviction they bring with them);
-  a request with a home anywhere pays nothing, so a family's later requests are not pushed
-  off it. Off by default (``family_spread_tokens = 0``); ``PolicyConfig`` has the measurements.
+  second request carried, router.core.affinity). A request no candidate is home to and none
+  holds any of (no trusted hit, look-ahead or lower-tier hit) is a new prefix: a one-off, or
+  the first request of what may become a family, which then stays where this decision puts
+  it. Charging each family already there keeps a passing queue from stacking the families on
+  one replica (and the prefill and eviction they bring with them). A request with a home
+  anywhere pays nothing, so a family's later requests are not pushed off it, nor is a prefix
+  cached without a home (another client's) pushed off its cache. 2048 by default where
+  prefix homes are on; ``PolicyConfig`` has the measurements.
 
 * **Load band.** With ``load_band_tokens = b > 0`` a candidate's ``queued`` counts only
   beyond ``b`` tokens more than the least queued candidate's: small, fleeting differences in
@@ -124,6 +126,7 @@ __all__ = [
     "Scored",
     "crowded_homes",
     "make_policy",
+    "new_prefix",
     "placement_terms",
     "queued_tokens",
     "request_load",
@@ -299,6 +302,18 @@ def crowded_homes(
     )  # fmt: skip
 
 
+def new_prefix(cfg: PolicyConfig, candidates: Sequence[Candidate]) -> bool:
+    """Whether the family spread charges this request (module docstring): it is on, no
+    candidate is home to the request, and no trusted one holds any of it (exact hit,
+    look-ahead prefix or a lower tier's hit). A prefix cached somewhere without a home (sent
+    by another client, or its home forgotten) is placed by its cache, not pushed off it."""
+    return cfg.family_spread_tokens > 0 and not any(
+        c.home_tokens
+        or (c.trusted and (c.hit_tokens or c.fa_prefix_tokens or any(c.tier_hits.values())))
+        for c in candidates
+    )
+
+
 def placement_terms(
     cfg: PolicyConfig,
     candidates: Sequence[Candidate],
@@ -306,12 +321,12 @@ def placement_terms(
 ) -> Sequence[Candidate]:
     """The candidates as the kv cost sees them: a home whose exact hit is shorter than
     another trusted replica's, or that is ``crowded`` (:func:`crowded_homes`), gets no
-    affinity credit, and ``families`` count only for a request no candidate is home to
-    (module docstring: affinity, fair share, family spread). Shared by the full scan and
+    affinity credit, and ``families`` count only for a new prefix (:func:`new_prefix`;
+    module docstring: affinity, fair share, family spread). Shared by the full scan and
     router.core.shortlist, so both score the same terms."""
     best = max((c.hit_tokens for c in candidates if c.trusted), default=0)
     homed = any(c.home_tokens for c in candidates)
-    drop_families = homed and cfg.family_spread_tokens > 0
+    drop_families = cfg.family_spread_tokens > 0 and not new_prefix(cfg, candidates)
     if not (
         (homed and any(c.home_tokens and c.hit_tokens < best for c in candidates))
         or crowded

@@ -36,9 +36,23 @@ equals; the book keeps its replicas in that order too (by
 hold: softmax sampling (``temperature > 0``), non-finite weights, costs or band, and, with a
 band, churn sums too close to order without reading them all (equal histories, values that
 underflowed, or more than :data:`_WALK_LIMIT` least churned replicas outside the tie), and a
-request no candidate is home to while the family spread is on (``family_spread_tokens``: every
-replica's families then enter its cost, and the book does not keep them). The caller then
-runs the full scan. Pure: no I/O; the clock is passed in.
+new prefix (below) while both the family spread and a load band are on, or with a book kept
+without families (``family_order``). The caller then runs the full scan. Pure: no I/O; the
+clock is passed in.
+
+With the family spread on (``family_spread_tokens > 0``) a request no candidate is home to and
+none holds is a new prefix (router.core.policy ``new_prefix``; the book's replicas are neither
+homes nor holders, so the explicit candidates decide it), and every replica's ``families``
+enter its cost (``spread · families``): the book
+then also orders its replicas by ``(families, queued, key)``, and each family count is a
+*segment* whose cost grows with ``queued`` like the whole book's does without the spread.
+Segments are walked one after the other, fewest families first, runs cheapest first within
+each, one score per run, each stopped as above; the walk ends at the first segment whose
+families alone, at the book's least ``queued``, cost beyond the best found by more than
+``tie_tokens`` (cost grows with the family count too). A decision scores a few runs, however
+many replicas and family counts the fleet has. Any
+other request drops every ``families`` term (router.core.policy ``placement_terms``) and reads
+the book by ``queued`` alone.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ from router.core.policy import (
     NoCandidates,
     Scored,
     crowded_homes,
+    new_prefix,
     placement_terms,
     request_load,
     with_crowded,
@@ -79,11 +94,17 @@ class LoadBook:
     :class:`DecayingSum` of new tokens, none: never written), then ``queued``, then key, for
     the band's tie-break (:func:`_lightest`); churn changes when the router sends a request,
     so the caller re-puts the replica then. Without a band nothing reads that order, and the
-    routing path does not pay for keeping it."""
+    routing path does not pay for keeping it.
 
-    __slots__ = ("_at", "_by_churn", "_churn", "_load", "_sorted", "churn_order", "total_load")
+    With ``family_order`` (the family spread is on) also ordered by ``(families, queued,
+    key)``: the prefix families homed on each replica, which a new prefix pays for (module
+    docstring); they change as requests carry homed prefixes, so the caller re-puts the
+    replica then too."""
 
-    def __init__(self, churn_order: bool = False) -> None:
+    __slots__ = ("_at", "_by_churn", "_by_family", "_churn", "_families", "_load", "_sorted",
+                 "churn_order", "family_order", "total_load")  # fmt: skip
+
+    def __init__(self, churn_order: bool = False, family_order: bool = False) -> None:
         self._sorted: SortedList = SortedList()
         self._at: dict[ReplicaKey, float] = {}
         self._load: dict[ReplicaKey, int] = {}
@@ -92,6 +113,9 @@ class LoadBook:
         self.churn_order = churn_order
         self._by_churn: SortedList = SortedList()
         self._churn: dict[ReplicaKey, tuple[float, DecayingSum | None]] = {}
+        self.family_order = family_order
+        self._by_family: SortedList = SortedList()
+        self._families: dict[ReplicaKey, int] = {}
 
     def __len__(self) -> int:
         return len(self._at)
@@ -106,17 +130,32 @@ class LoadBook:
         return self._load.get(key, 0)
 
     def put(
-        self, key: ReplicaKey, queued: float, churn: DecayingSum | None = None, load: int = 0
+        self,
+        key: ReplicaKey,
+        queued: float,
+        churn: DecayingSum | None = None,
+        load: int = 0,
+        families: int = 0,
     ) -> None:
         """Add or move ``key`` (``queued`` must be finite: the caller keeps the rest out);
-        ``load`` is its ``request_load`` (router.core.policy), filed with it."""
+        ``load`` is its ``request_load`` (router.core.policy) and ``families`` the prefix
+        families homed there, filed with it."""
         if not math.isfinite(queued):
             raise ValueError(f"queued must be finite to be ordered, got {queued!r} for {key}")
+        if families < 0:
+            raise ValueError(f"families must be >= 0, got {families} for {key}")
         self.total_load += load - self._load.get(key, 0)
         self._load[key] = load
         old = self._at.get(key)
         if self.churn_order:
             self._file_churn(key, old, queued, churn)
+        if self.family_order:
+            prev = self._families.get(key)
+            if prev != families or old != queued:
+                if prev is not None:
+                    self._by_family.remove((prev, old, key))
+                self._by_family.add((families, queued, key))
+                self._families[key] = families
         if old == queued:
             return
         if old is not None:
@@ -145,6 +184,8 @@ class LoadBook:
             if self.churn_order:
                 order, _ = self._churn.pop(key)
                 self._by_churn.remove((order, old, key))
+            if self.family_order:
+                self._by_family.remove((self._families.pop(key), old, key))
 
     def keys(self) -> list[ReplicaKey]:
         return list(self._at)
@@ -159,6 +200,39 @@ class LoadBook:
             j = s.bisect_left((math.nextafter(q, math.inf),))
             yield q, i, j
             i = j
+
+    def segments(self) -> Iterator[tuple[int, Iterator[tuple[float, int, int]]]]:
+        """Per family count present, fewest first: ``(families, runs)`` with ``runs`` the
+        ``(queued, lo, hi)`` of that count's replicas in the family order, least queued first
+        (``family_order`` only). Each segment is found by bisection: one that is not read
+        costs nothing."""
+        s = self._by_family
+        lo = 0
+        while lo < len(s):
+            f = s[lo][0]
+            hi = s.bisect_left((f + 1,))
+            yield f, self._segment_runs(f, lo, hi)
+            lo = hi
+
+    def _segment_runs(self, f: int, lo: int, hi: int) -> Iterator[tuple[float, int, int]]:
+        s = self._by_family
+        i = lo
+        while i < hi:
+            q = s[i][1]
+            j = s.bisect_left((f, math.nextafter(q, math.inf)))
+            yield q, i, j
+            i = j
+
+    def families(self, key: ReplicaKey) -> int | None:
+        """The families ``key`` was filed with (None: not a member, or no family order)."""
+        return self._families.get(key)
+
+    def family_key_at(self, i: int) -> ReplicaKey:
+        return self._by_family[i][2]
+
+    def family_position(self, families: int, queued: float, key: ReplicaKey) -> int:
+        """Where ``(families, queued, key)`` is or would be in the family order."""
+        return self._by_family.bisect_left((families, queued, key))
 
     def key_at(self, i: int) -> ReplicaKey:
         return self._sorted[i][1]
@@ -191,6 +265,12 @@ class _Run:
     count: int
     """Members not skipped."""
     template: Scored
+    gone: list[ReplicaKey]
+    """Its skipped members, by key."""
+    key_at: Callable[[int], ReplicaKey]
+    """The member at a position of the order the run is in (the load or the family order)."""
+    where: Callable[[ReplicaKey], int]
+    """Where a key of the run's ``(families, queued)`` is or would be in that order."""
 
 
 def choose_shortlist(
@@ -225,8 +305,9 @@ def choose_shortlist(
     )
     if not all(math.isfinite(w) for w in weights):
         return None
-    if cfg.family_spread_tokens > 0 and not any(c.home_tokens for c in explicit):
-        return None  # a new prefix: every replica's families count, the book has none
+    novel = new_prefix(cfg, explicit)  # the book's replicas hold none of it, and are no home
+    if novel and (band > 0 or not book.family_order):
+        return None  # every replica's families count: the band's walk does not read them
     # KVCostPolicy.choose's rules (placement_terms); the book's candidates have hit 0, which
     # never raises the best trusted hit, and no home (their requests count in the fair share)
     skip = set(skip)
@@ -248,42 +329,79 @@ def choose_shortlist(
         banded = _choose_banded(policy, num_tokens, explicit, scored, book, skip, now, commit)
         return with_crowded(banded, crowded) if banded is not None else None
     best = min((s.cost for s in scored), default=math.inf)
-    skipped: dict[float, list[ReplicaKey]] = {}
-    for k in skip:
+    skipped: dict[tuple[int, float], list[ReplicaKey]] = {}
+    for k in sorted(skip):
         q = book.queued(k)
         if q is not None:
-            skipped.setdefault(q, []).append(k)
+            f = (book.families(k) or 0) if novel else 0
+            skipped.setdefault((f, q), []).append(k)
     runs: list[_Run] = []
-    for q, lo, hi in book.runs():
-        template = policy.score_queued(num_tokens, _ANON, q)
-        cost = template.cost
-        if math.isnan(cost):
-            return None
-        if cost - best > tie:
-            break  # every later run costs at least this much: neither best nor tied
-        count = hi - lo - len(skipped.get(q, ()))
-        if count <= 0:
-            continue
-        best = min(best, cost)
-        runs.append(_Run(cost, lo, hi, q, count, template))
+    least = book.queued_at(0) if len(book) else 0.0
+    for f, seg_runs, template_of, key_at, where_of in _segments(book, novel, num_tokens, policy):
+        if novel and template_of(least).cost - best > tie:
+            break  # this segment and the later ones (more families) cost at least this much
+        for q, lo, hi in seg_runs:
+            template = template_of(q)
+            cost = template.cost
+            if math.isnan(cost):
+                return None
+            if cost - best > tie:
+                break  # every later run of the segment costs at least this much
+            gone = skipped.get((f, q), [])
+            count = hi - lo - len(gone)
+            if count <= 0:
+                continue
+            best = min(best, cost)
+            runs.append(_Run(cost, lo, hi, q, count, template, gone, key_at, where_of(q)))
     tied_ex = [s for s in scored if s.cost - best <= tie]
     tied_runs = [r for r in runs if r.cost - best <= tie]
     n_tied = len(tied_ex) + sum(r.count for r in tied_runs)
     if not n_tied:
         raise NoCandidates(NO_CANDIDATES)
     pick = policy.tie_rng(commit).randrange(n_tied) if n_tied > 1 else 0
-    chosen = _locate(book, pick, tied_ex, tied_runs, skipped)
+    chosen = _locate(pick, tied_ex, tied_runs)
     others = sorted((s for s in scored if s.key != chosen.key), key=lambda s: (s.cost, s.key))
     return with_crowded(Decision(policy.name, (chosen, *others), n_tied), crowded)
 
 
-def _locate(
-    book: LoadBook,
-    pick: int,
-    tied_ex: list[Scored],
-    tied_runs: list[_Run],
-    skipped: dict[float, list[ReplicaKey]],
-) -> Scored:
+_SegmentOf = tuple[
+    int,
+    Iterator[tuple[float, int, int]],
+    Callable[[float], Scored],
+    Callable[[int], ReplicaKey],
+    Callable[[float], Callable[[ReplicaKey], int]],
+]
+
+
+def _segments(
+    book: LoadBook, novel: bool, num_tokens: int, policy: KVCostPolicy
+) -> Iterator[_SegmentOf]:
+    """The book as runs of one cost each, in segments where cost grows with ``queued``:
+    ``(families, runs, template, key_at, where)`` with ``template(queued)`` a member's score
+    (key unset) and ``where(queued)(key)`` a key's position in the segment's order. Without a
+    new prefix under the family spread, the whole load order is one segment; with one, each
+    family count of the family order is (module docstring)."""
+    if not novel:
+        yield (
+            0,
+            book.runs(),
+            lambda q: policy.score_queued(num_tokens, _ANON, q),
+            book.key_at,
+            lambda q: lambda k: book.position(q, k),
+        )
+        return
+    for f, seg_runs in book.segments():
+        anon = dataclasses.replace(_ANON, families=f)
+        yield (
+            f,
+            seg_runs,
+            lambda q, anon=anon: policy.score_queued(num_tokens, anon, q),
+            book.family_key_at,
+            lambda q, f=f: lambda k: book.family_position(f, q, k),
+        )
+
+
+def _locate(pick: int, tied_ex: list[Scored], tied_runs: list[_Run]) -> Scored:
     """The ``pick``-th tied candidate in ``(cost, key)`` order, as scored."""
     for cost in sorted({s.cost for s in tied_ex} | {r.cost for r in tied_runs}):
         ex = sorted((s for s in tied_ex if s.cost == cost), key=lambda s: s.key)
@@ -296,23 +414,20 @@ def _locate(
             return ex[pick]
         if len(rs) == 1:
             r = rs[0]
-            key, own = _select(
-                book.key_at,
-                lambda k, q=r.queued: book.position(q, k),
-                r.lo,
-                sorted(skipped.get(r.queued, ())),
-                ex,
-                pick,
-            )
-        else:  # different queued floats rounding to one cost: rare, list them
-            members = [s.key for s in ex]
+            key, own = _select(r.key_at, r.where, r.lo, r.gone, ex, pick)
+        else:
+            # runs of one cost in different orders or of different queued floats rounding to
+            # one cost (a family more and a queue shorter by the spread, typically): list them
+            owner: dict[ReplicaKey, _Run] = {}
             for r in rs:
-                gone = set(skipped.get(r.queued, ()))
-                members += [k for i in range(r.lo, r.hi) if (k := book.key_at(i)) not in gone]
-            members.sort()
+                gone = set(r.gone)
+                for i in range(r.lo, r.hi):
+                    if (k := r.key_at(i)) not in gone:
+                        owner[k] = r
+            members = sorted([*owner, *(s.key for s in ex)])
             key = members[pick]
             own = next((s for s in ex if s.key == key), None)
-            r = next((r for r in rs if book.queued(key) == r.queued), rs[0])
+            r = owner.get(key, rs[0])
         if own is not None:
             return own
         return dataclasses.replace(r.template, key=key)

@@ -339,7 +339,10 @@ class PoolState:
         self.tokenizer: RequestTokenizer = make_tokenizer(
             cfg.tokenizer, model=cfg.model, urls=self.live_urls
         )
-        self._book = LoadBook(churn_order=cfg.policy.load_band_tokens > 0)
+        self._book = LoadBook(
+            churn_order=cfg.policy.load_band_tokens > 0,
+            family_order=cfg.policy.family_spread_tokens > 0 and self.homes is not None,
+        )
         """Replicas the shortlist may stand for by load alone (:meth:`_refresh_book`)."""
         self._irregular: set[ReplicaKey] = set()
         """Replicas (and DP ranks) of the pool not in the book: always scored one by one."""
@@ -660,6 +663,7 @@ class PoolState:
         pressure = self.cfg.policy.pressure_weight > 0
         cfg = self.policy.cfg if isinstance(self.policy, KVCostPolicy) else self.cfg.policy
         book, irregular = self._book, self._irregular
+        homes = self.homes if book.family_order else None
         for name in self._dirty:
             for key in self._book_keys.pop(name, ()):
                 book.discard(key)
@@ -673,7 +677,8 @@ class PoolState:
                 cand = _candidate(rep, key[1], None, 0, now)
                 q = queued_tokens(cand, cfg)
                 if regular and math.isfinite(q) and not (pressure and key[1] in rep.written):
-                    book.put(key, q, rep.written.get(key[1]), request_load(cand))
+                    fam = homes.families(key) if homes is not None else 0
+                    book.put(key, q, rep.written.get(key[1]), request_load(cand), fam)
                 else:
                     irregular.add(key)
         self._dirty.clear()
@@ -695,6 +700,8 @@ class PoolState:
             return None
         if now is None:
             now = time.monotonic()
+        if self.homes is not None:  # a family formed or went: its replica's spread term moved
+            self._dirty.update(key[0] for key in self.homes.take_family_changes())
         if self._dirty:
             self._refresh_book(now)
         if not len(self._book):  # nothing surely routable: the full scan (and its panic)
