@@ -43,16 +43,15 @@ clock is passed in.
 With the family spread on (``family_spread_tokens > 0``) a request no candidate is home to and
 none holds is a new prefix (router.core.policy ``new_prefix``; the book's replicas are neither
 homes nor holders, so the explicit candidates decide it), and every replica's ``families``
-enter its cost (``spread · families``): the book
-then also orders its replicas by ``(families, queued, key)``, and each family count is a
-*segment* whose cost grows with ``queued`` like the whole book's does without the spread.
-Segments are walked one after the other, fewest families first, runs cheapest first within
-each, one score per run, each stopped as above; the walk ends at the first segment whose
-families alone, at the book's least ``queued``, cost beyond the best found by more than
-``tie_tokens`` (cost grows with the family count too). A decision scores a few runs, however
-many replicas and family counts the fleet has. Any
-other request drops every ``families`` term (router.core.policy ``placement_terms``) and reads
-the book by ``queued`` alone.
+enter its cost (``spread · families``): the book then also orders its replicas by
+``(families, queued, key)``, and each family count is a *segment* whose cost grows with
+``queued`` like the whole book's does without the spread. Segments are walked one after the
+other, fewest families first, runs cheapest first within each, one score per run, each stopped
+as above; the walk ends at the first segment whose families alone, at the book's least
+``queued``, cost beyond the best found by more than ``tie_tokens`` (cost grows with the family
+count too). A decision scores a few runs, however many replicas and family counts the fleet
+has. Any other request drops every ``families`` term (router.core.policy ``placement_terms``)
+and reads the book by ``queued`` alone.
 """
 
 from __future__ import annotations
