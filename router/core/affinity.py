@@ -222,7 +222,8 @@ class PrefixHomes:
         """The replicas whose :meth:`families` changed since the last call (a family formed,
         or its first chunk was forgotten), for a caller that files replicas by their count
         (router.core.shortlist's family order); the record starts over. At most one entry
-        per replica however many changes."""
+        per replica however many changes, so a caller that never asks holds a set no larger
+        than the replicas it has seen."""
         changed, self._family_changes = self._family_changes, set()
         return changed
 

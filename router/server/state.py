@@ -700,7 +700,9 @@ class PoolState:
             return None
         if now is None:
             now = time.monotonic()
-        if self.homes is not None:  # a family formed or went: its replica's spread term moved
+        if self._book.family_order and self.homes is not None:
+            # a family formed or went: its replica's place in the family order moved (without
+            # that order nothing reads families from the book: no re-filing)
             self._dirty.update(key[0] for key in self.homes.take_family_changes())
         if self._dirty:
             self._refresh_book(now)
