@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from bench.real_vllm.load import (  # noqa: E402
     main,
     policy_options,
     prefill_counts,
+    run_order,
     since,
     success_counts,
 )
@@ -40,6 +42,8 @@ from bench.real_vllm.load_report import (  # noqa: E402
     prefill_split,
     summarize_run,
     ttft_by_kind,
+    ttft_noise,
+    ttft_noise_table,
 )
 from router.config import parse_config  # noqa: E402
 from tests.fake_replica import ServerThread  # noqa: E402
@@ -362,6 +366,46 @@ def test_rounds_merge_into_per_seed_means_and_the_bar_s_verdict(tmp_path: Path) 
         main(["--merge", str(paths[0]), "--out", str(out)])  # only with --summarize
     with pytest.raises(SystemExit):
         main(["--summarize", "--merge", str(tmp_path / "absent.json"), "--out", str(out)])
+
+
+def test_the_run_order_rotates_the_policies_one_place_per_block() -> None:
+    order = run_order([1, 2], 2, ["a", "b", "c"])
+    blocks = [order[i : i + 3] for i in range(0, len(order), 3)]
+    assert [[p for _, _, p in b] for b in blocks] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]
+    ]  # fmt: skip
+    assert [b[0][:2] for b in blocks] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert all(len({(s, k) for s, k, _ in b}) == 1 for b in blocks)  # a block is one pairing
+    firsts = [b[0][2] for b in blocks[:3]]
+    assert sorted(firsts) == ["a", "b", "c"]  # over 3 blocks each policy leads once
+    fixed = run_order([1, 2], 2, ["a", "b", "c"], rotate=False)
+    assert [p for _, _, p in fixed] == ["a", "b", "c"] * 4
+    assert sorted(order) == sorted(fixed)  # the same runs, only reordered
+    assert run_order([1], 1, []) == []
+
+
+def test_ttft_noise_sets_the_policies_distance_beside_each_one_s_repeats() -> None:
+    runs = [
+        _run("kv", 1, 1, 0.6, 80.0), _run("kv", 1, 2, 0.6, 120.0),
+        _run("cache_aware", 1, 1, 0.6, 100.0), _run("cache_aware", 1, 2, 0.6, 100.0),
+        _run("round_robin", 1, 1, 0.6, 40.0),
+    ]  # fmt: skip
+    rows = {r["policy"]: r for r in ttft_noise(runs, "kv")}
+    assert rows["kv"]["repeat_mean"] == pytest.approx(math.log(1.5))  # 80 vs 120
+    assert rows["kv"]["repeat_n"] == 1
+    assert rows["cache_aware"]["repeat_mean"] == pytest.approx(0.0)
+    # kv / cache_aware: 0.8 and 1.2 -> median distance of |ln| and mean signed ln
+    ca = rows["cache_aware"]
+    assert ca["pair_n"] == 2
+    assert ca["pair_mean"] == pytest.approx((math.log(1.25) + math.log(1.2)) / 2)
+    assert ca["bias_mean"] == pytest.approx((math.log(0.8) + math.log(1.2)) / 2)
+    rr = rows["round_robin"]
+    assert rr["repeat_n"] == 0 and rr["repeat_mean"] is None  # one run: no repeats to compare
+    assert rr["pair_n"] == 1 and rr["bias_mean"] == pytest.approx(math.log(2.0))
+    table = ttft_noise_table(runs)
+    assert "| kv | 1 | 50 % / 50 % | – | – | – |" in table
+    assert "| cache_aware | 1 | 0 % / 0 % | 2 | 22 % / 22 % | -2 % / -2 % |" in table
+    assert "| round_robin | 0 | – / – | 1 | 100 % / 100 % | +100 % / +100 % |" in table
 
 
 def test_a_round_of_kv_with_options_only_is_paired_under_its_own_name() -> None:

@@ -186,6 +186,26 @@ def new_fleet(args: argparse.Namespace) -> VllmFleet:
     )
 
 
+def run_order(
+    seeds: list[int], repeats: int, policies: list[str], *, rotate: bool = True
+) -> list[tuple[int, int, str]]:
+    """The ``(seed, repeat, policy)`` runs in the order they are played: one block of every
+    policy per seed and repeat, so a pair is a few minutes apart whatever the machine does
+    over the hour. With ``rotate`` each block starts one policy later than the one before.
+
+    Why rotate: runs of one block are paired, and a fixed order puts one policy first in
+    every block (after the previous block's last run, its teardown, whatever warms or cools
+    in between). Through rounds 1-14 ``kv`` always ran first; a position effect would have
+    landed on it alone. Rotating spreads each position over every policy, so over a number
+    of blocks divisible by the number of policies each policy runs in each place equally.
+    """
+    order: list[tuple[int, int, str]] = []
+    for block, (seed, repeat) in enumerate((s, k) for s in seeds for k in range(1, repeats + 1)):
+        shift = block % len(policies) if rotate and policies else 0
+        order += [(seed, repeat, p) for p in policies[shift:] + policies[:shift]]
+    return order
+
+
 def split_variant(spec: str, options: dict[str, str]) -> tuple[str, dict[str, str]]:
     """``kv:lookahead_weight=2,speculative_insert=false`` -> the kvrouter policy and its
     ``[pools.policy]`` keys (over ``--policy-option``'s); a plain name passes through. The
@@ -322,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--run-deadline", type=float, default=300.0, help="seconds for one run's requests"
     )
+    ap.add_argument(
+        "--fixed-order",
+        action="store_true",
+        help="run the policies in the given order in every (seed, repeat) block instead of "
+        "rotating it one place per block (run_order)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "real_vllm_load.json")
     ap.add_argument("--append", action="store_true", help="keep the runs already in --out")
     ap.add_argument("--keep-logs", action="store_true", help="keep every run's replica logs")
@@ -362,9 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "policy_options": args.options,
         "command": "python -m bench.real_vllm.load " + shlex.join(argv or sys.argv[1:]),
     }
-    todo = [
-        (s, k, p) for s in args.seeds for k in range(1, args.repeats + 1) for p in args.policies
-    ]
+    todo = run_order(args.seeds, args.repeats, args.policies, rotate=not args.fixed_order)
     for n, (seed, repeat, policy) in enumerate(todo, 1):
         print(f"[{n}/{len(todo)}] {policy} seed {seed} repeat {repeat} ...", file=sys.stderr)
         run = run_one(policy, seed, repeat, args)
