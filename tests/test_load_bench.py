@@ -539,3 +539,15 @@ def test_the_ceiling_counts_two_misses_per_family_and_each_later_turn_s_bound() 
     pct = f"{100 * ceiling / prompt:.2f}"
     assert lines[2] == f"| kv | {pct} | {pct} | 100.0 % |"
     assert lines[3] == f"| cache_aware | 0.00 | {pct} | 0.0 % |"
+
+    # The family's first prompt ends in the block where the system prompt does: its end
+    # checkpoint (439 // 32 * 32 = 416) lies within the 416 tokens the second shares with it,
+    # so the second hits 416 without a pinned junction (seen on real vLLM: round 15, seed 45).
+    # One token longer (441 -> 440 // 32 * 32 = 416) still serves; 449 ends past the shared
+    # prefix (448 > 416): 0.
+    for first, second in ((440, 416), (441, 416), (449, 0)):
+        short = [rec(b, 0, 0.0, first, 0), rec(a, 0, 0.1, 950, 0)]
+        assert run_ceiling({"seed": 35, "records": short}, cfg)[0] == second, first
+    # the second's own lookup stops at its prompt - 1: a 400-token prompt cannot reach 416
+    short = [rec(b, 0, 0.0, 440, 0), rec(a, 0, 0.1, 400, 0)]
+    assert run_ceiling({"seed": 35, "records": short}, cfg)[0] == 0

@@ -8,7 +8,9 @@ happen; ``--max-num-seqs 8``; ``--enable-scale-out`` so vllm-router's render cal
 primes both replicas with the same two small requests each, and plays the seed's request plan
 (``load_plan.py``: multi-turn conversations over six shared 300–900-token system prompts, 12 %
 long one-offs, open-loop Poisson arrivals at ~15 requests/s, streaming chat with usage) through
-it (``load_client.py``). The replicas' flags are the same for every policy.
+it (``load_client.py``). The replicas' flags are the same for every policy. Runs go block by
+block, every policy on one seed and repeat, the order rotated one place per block
+(:func:`run_order`; ``--fixed-order`` keeps the given one).
 
 Policies: kvrouter ``kv``, ``prefix_group_blind``, ``least_load``, ``round_robin`` (``kvrouter
 serve`` with the layout above and ``retention_interval = 0``; ``--policy-option key=value``

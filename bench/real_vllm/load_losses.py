@@ -14,7 +14,9 @@ split three ways, and each kind has its own limit:
   that replica (*new there*: its prefix was never computed there) or a family seen there before.
   In this layout a conversation diverging right after the system prompt misses even then until
   one request has stored a window checkpoint at that point (spec §4.7 Example 2): the family's
-  second conversation on a replica misses by rule, later ones miss only if it was evicted.
+  second conversation on a replica misses by rule (unless the first one's prompt ended in the
+  block where the two part, its own end checkpoint then serving), later ones miss only if it
+  was evicted.
 
 The same limits give each run a **ceiling** (:func:`run_ceiling`): the reuse no router can
 exceed on that run's prompts, reached only with no eviction, no split family and no request
@@ -87,11 +89,14 @@ def run_ceiling(run: dict[str, Any], plan_cfg: PlanConfig) -> tuple[int, int]:
     and the run's prompt tokens (the denominator of its reuse, the answered requests).
 
     * one-offs: 0;
-    * a conversation's first turn: 0 for the first two of its family (the family's first
-      request, then the one that pins the junction: spec §4.1, §4.7 Example 2); after that
-      the aligned longest prefix it shares with an earlier conversation of the family: the
-      chat template renders ``<system> S <user> U ...`` one token per word, so that is
-      ``2 + len(S) + `` the user words in common, rounded down to a 32-token block;
+    * a conversation's first turn: 0 for the family's first request; for its second, the
+      checkpoint the first left at its own prompt's end (``(prompt - 1)`` rounded down to a
+      block, spec §4.7) if that lies within the prefix the two share (a first question short
+      enough to end in the block where the system prompt ends), else 0: this one then pins
+      the junction (spec §4.1, §4.7 Example 2); from the third on, the aligned longest prefix
+      it shares with an earlier conversation of the family. The chat template renders
+      ``<system> S <user> U ...`` one token per word, so a shared prefix is ``2 + len(S) +``
+      the user words in common, rounded down to a 32-token block;
     * a later turn: its bound, the previous turn's prompt rounded down (module docstring);
       0 when the previous turn was not answered.
     """
@@ -100,7 +105,7 @@ def run_ceiling(run: dict[str, Any], plan_cfg: PlanConfig) -> tuple[int, int]:
     ok = [r for r in run["records"] if r.get("error") is None]
     prompt = sum(r.get("prompt_tokens") or 0 for r in ok)
     turns = {(r["sid"], r["turn"]): r for r in ok}
-    earlier: dict[int, list[list[str]]] = {}
+    earlier: dict[int, list[tuple[list[str], int]]] = {}
     ceiling = 0
     for r in sorted(ok, key=lambda r: r["send_s"]):
         s = sessions[r["sid"]]
@@ -113,14 +118,21 @@ def run_ceiling(run: dict[str, Any], plan_cfg: PlanConfig) -> tuple[int, int]:
             continue
         seen = earlier.setdefault(s.system, [])
         mine = s.user_messages[0].split()
-        if len(seen) >= 2:
-            common = max(
-                sum(1 for _ in takewhile(lambda p: p[0] == p[1], zip(mine, other, strict=False)))
-                for other in seen
-            )  # the leading user words in common
-            shared = 2 + len(plan.system_prompts[s.system].split()) + common
-            ceiling += min(shared, (r.get("prompt_tokens") or 1) - 1) // BLOCK * BLOCK
-        seen.append(mine)
+        system = 2 + len(plan.system_prompts[s.system].split())
+        last = (r.get("prompt_tokens") or 1) - 1  # vLLM looks up at most prompt - 1 tokens
+        best = 0
+        for other, other_prompt in seen:
+            # the tokens shared with that earlier first turn: the leading user words in common
+            shared = system + sum(
+                1 for _ in takewhile(lambda p: p[0] == p[1], zip(mine, other, strict=False))
+            )
+            end = (other_prompt - 1) // BLOCK * BLOCK  # the checkpoint at its prompt's end
+            if end <= min(shared, last):
+                best = max(best, end)
+            if len(seen) >= 2:  # the junction was pinned by the family's second conversation
+                best = max(best, min(shared, last) // BLOCK * BLOCK)
+        ceiling += best
+        seen.append((mine, r.get("prompt_tokens") or 0))
     return ceiling, prompt
 
 
