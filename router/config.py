@@ -423,14 +423,15 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas (bench/real_vllm/load.py --rate 3) one run homed five of six families on one
     replica. Unset: :data:`DEFAULT_FAMILY_SPREAD_TOKENS` where prefix homes are on
     (``affinity_weight > 0``), else 0 (no families to count); 0: off. At ``--rate 6`` (README,
-    issue 17: eight rounds at 2048, five beside the same policy without it) it kept ``kv`` at
-    or above vllm-router's ``cache_aware`` on 23 of 26 seeds (without it: 11 of 15 in the
-    rounds run beside them), +0.40 points of reuse over 0 (more in 24 of 36 pairs), at a
-    small latency cost (the lower TTFT mean in 16 of those 36 pairs; it can pile the one-offs
-    on the replica with fewer families: 71 % of them there in one round, and 64 % of the
-    prefill). The decision shortlist keeps replicas by family count too
-    (router.core.shortlist), so it costs a few scores per decision, not a scan; only with a
-    load band (``load_band_tokens > 0``) does a new prefix go to the full scan."""
+    issue 17: eleven rounds at 2048, eight beside the same policy without it) it kept ``kv`` at
+    or above vllm-router's ``cache_aware`` on 34 of 38 seeds (without it: 20 of 27 in the
+    rounds run beside them), +0.38 points of reuse over 0 (more in 40 of 60 pairs). Its latency
+    cost is within the runs' noise (the lower TTFT mean in 27 of those 60 pairs, +2.2 % as a
+    geometric mean, interval across 0); it can pile the one-offs on the replica with fewer
+    families (71 % of them there in one round, and 64 % of the prefill). The decision
+    shortlist keeps replicas by family count too (router.core.shortlist), so it costs a few
+    scores per decision, not a scan; only with a load band (``load_band_tokens > 0``) does a
+    new prefix go to the full scan."""
     affinity_chunk_tokens: int = 64
     """Granularity of prefix homes: a chunk is homed once a request carried all of it."""
     affinity_capacity: int = 100_000
