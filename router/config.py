@@ -423,8 +423,8 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas (bench/real_vllm/load.py --rate 3) one run homed five of six families on one
     replica. Unset: :data:`DEFAULT_FAMILY_SPREAD_TOKENS` where prefix homes are on
     (``affinity_weight > 0``), else 0 (no families to count); 0: off. At ``--rate 6`` (README,
-    issue 17: eleven rounds at 2048, eight beside the same policy without it) it kept ``kv`` at
-    or above vllm-router's ``cache_aware`` on 34 of 38 seeds (without it: 20 of 27 in the
+    issue 17: twelve rounds at 2048, eight beside the same policy without it) it kept ``kv`` at
+    or above vllm-router's ``cache_aware`` on 38 of 42 seeds (without it: 20 of 27 in the
     rounds run beside them), +0.38 points of reuse over 0 (more in 40 of 60 pairs). Its latency
     cost is within the runs' noise (the lower TTFT mean in 27 of those 60 pairs, +2.2 % as a
     geometric mean, interval across 0); it can pile the one-offs on the replica with fewer
