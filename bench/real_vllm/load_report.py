@@ -343,17 +343,22 @@ def run_lines(runs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _pairs(runs: Sequence[dict[str, Any]], base: str, other: str) -> list[tuple[dict, dict]]:
+    """``(base run, other run)`` on each (seed, repeat) both ran, by seed and repeat."""
+    index = {(r["policy"], r["seed"], r["repeat"]): r for r in runs}
+    return [
+        (index[(base, s, k)], r)
+        for (p, s, k), r in sorted(index.items(), key=lambda kv: kv[0][1:])
+        if p == other and (base, s, k) in index
+    ]
+
+
 def paired(runs: Sequence[dict[str, Any]], base: str = "kv") -> list[dict[str, Any]]:
     """``base`` against every other policy on the same (seed, repeat): reuse delta in points
     (base minus other) and how often base's TTFT mean / p90 was lower."""
-    index = {(r["policy"], r["seed"], r["repeat"]): r for r in runs}
     out = []
     for other in _order({r["policy"] for r in runs} - {base}):
-        pairs = [
-            (index[(base, s, k)], r)
-            for (p, s, k), r in sorted(index.items(), key=lambda kv: kv[0][1:])
-            if p == other and (base, s, k) in index
-        ]
+        pairs = _pairs(runs, base, other)
         if not pairs:
             continue
         deltas = [100 * (a["reuse"] - b["reuse"]) for a, b in pairs]
@@ -427,10 +432,11 @@ def ttft_noise(runs: Sequence[dict[str, Any]], base: str) -> list[dict[str, Any]
     under the ``repeat`` ones says the policies differ less than one policy does from itself.
     """
     grouped = _by_policy_seed(runs)
-    index = {(r["policy"], r["seed"], r["repeat"]): r for r in runs}
     out = []
     for policy in _order(grouped):
         row: dict[str, Any] = {"policy": policy}
+        row["repeat_n"] = sum(len(rs) * (len(rs) - 1) // 2 for rs in grouped[policy].values())
+        pairs = [] if policy == base else _pairs(runs, base, policy)
         for stat in ("mean", "p90"):
             rep = [
                 abs(v)
@@ -440,15 +446,9 @@ def ttft_noise(runs: Sequence[dict[str, Any]], base: str) -> list[dict[str, Any]
                 if (v := _log_ratio(a, b, stat)) is not None
             ]
             row[f"repeat_{stat}"] = statistics.median(rep) if rep else None
-            row["repeat_n"] = len(rep)
             if policy == base:
                 continue
-            pair = [
-                v
-                for (p, s, k), r in index.items()
-                if p == policy and (base, s, k) in index
-                if (v := _log_ratio(index[(base, s, k)], r, stat)) is not None
-            ]
+            pair = [v for a, b in pairs if (v := _log_ratio(a, b, stat)) is not None]
             row["pair_n"] = len(pair)
             row[f"pair_{stat}"] = statistics.median(map(abs, pair)) if pair else None
             row[f"bias_{stat}"] = statistics.fmean(pair) if pair else None
