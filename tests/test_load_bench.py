@@ -551,3 +551,57 @@ def test_the_ceiling_counts_two_misses_per_family_and_each_later_turn_s_bound() 
     # the second's own lookup stops at its prompt - 1: a 400-token prompt cannot reach 416
     short = [rec(b, 0, 0.0, 440, 0), rec(a, 0, 0.1, 400, 0)]
     assert run_ceiling({"seed": 35, "records": short}, cfg)[0] == 0
+
+
+def test_request_deltas_compare_two_runs_request_by_request_and_kind_by_kind() -> None:
+    from bench.real_vllm.load_losses import deltas_table, request_deltas, request_kinds
+
+    cfg = PlanConfig(requests=60)
+    plan = make_plan(35, cfg)
+    convs = [s for s in plan.sessions if s.kind == "conversation"]
+    fam = [s for s in convs if s.system == 1]
+    assert len(fam) >= 3, "the hand count below needs three conversations of one family"
+    a, b, c = fam[:3]
+    other = next(s for s in plan.sessions if s.kind == "one_off")
+
+    def rec(s, turn, t, cached, error=None):
+        return {"sid": s.sid, "turn": turn, "kind": s.kind, "send_s": t, "replica": None,
+                "prompt_tokens": 2000, "cached_tokens": cached, "error": error}  # fmt: skip
+
+    mine = [
+        rec(c, 0, 0.0, 0),  # sent first: the family's first, whatever its sid
+        rec(a, 0, 0.1, 416),  # its second
+        rec(b, 0, 0.2, 416),  # its third
+        rec(c, 1, 0.5, 900),
+        rec(a, 1, 0.6, 0),
+        rec(other, 0, 0.7, 0),
+        rec(b, 1, 0.8, 100, error="timeout"),  # not answered here: not compared
+    ]
+    theirs = [dict(r) for r in mine]
+    theirs[1]["cached_tokens"] = 0  # mine had 416 more on the second conversation
+    theirs[2]["cached_tokens"] = 448  # 32 fewer on the third
+    theirs[4]["cached_tokens"] = 600  # 600 fewer on a later turn, equal on the other
+    theirs[6] = {**theirs[6], "error": None}
+    kinds = request_kinds({"seed": 35, "records": mine}, cfg)
+    assert kinds[(c.sid, 0)] == "family's first" and kinds[(a.sid, 0)] == "family's second"
+    assert kinds[(b.sid, 0)] == "family's third on" and kinds[(other.sid, 0)] == "one-off"
+    assert (b.sid, 1) not in kinds
+    got = request_deltas({"seed": 35, "records": mine}, {"seed": 35, "records": theirs}, cfg)
+    assert got["family's first"] == {"more": 0, "fewer": 0, "net": 0}
+    assert got["family's second"] == {"more": 1, "fewer": 0, "net": 416}
+    assert got["family's third on"] == {"more": 0, "fewer": 1, "net": -32}
+    assert got["later turn"] == {"more": 0, "fewer": 1, "net": -600}
+    assert got["one-off"] == {"more": 0, "fewer": 0, "net": 0}
+    doc = {
+        "config": {"requests": 60},
+        "runs": [
+            {"policy": "kv", "seed": 35, "repeat": 1, "records": mine},
+            {"policy": "cache_aware", "seed": 35, "repeat": 1, "records": theirs},
+            {"policy": "cache_aware", "seed": 35, "repeat": 2, "records": theirs},  # no pair
+        ],
+    }
+    row = deltas_table(doc, "kv", ["kv", "cache_aware"]).splitlines()[2]
+    assert row == (
+        "| cache_aware | 1 | 0.0 / 0.0, +0 | 1.0 / 0.0, +416 | 0.0 / 1.0, -32 "
+        "| 0.0 / 1.0, -600 | 0.0 / 0.0, +0 | -216 |"
+    )

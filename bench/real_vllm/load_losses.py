@@ -175,6 +175,91 @@ def ceiling_table(doc: dict[str, Any], order: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+REQUEST_KINDS = ("family's first", "family's second", "family's third on", "later turn", "one-off")
+"""The kinds :func:`request_deltas` compares by: first turns by their place among the
+family's conversations in send order (the same in every run of a seed: first turns arrive
+open-loop at the plan's times), since each has its own limit (module docstring)."""
+
+
+def request_kinds(run: dict[str, Any], plan_cfg: PlanConfig) -> dict[tuple[int, int], str]:
+    """``(sid, turn)`` -> one of :data:`REQUEST_KINDS`, for the run's answered requests."""
+    family = {s.sid: s.system for s in make_plan(run["seed"], plan_cfg).sessions}
+    ok = [r for r in run["records"] if r.get("error") is None]
+    place: Counter[int | None] = Counter()
+    out: dict[tuple[int, int], str] = {}
+    for r in sorted(ok, key=lambda r: r["send_s"]):
+        if r["kind"] != "conversation":
+            kind = REQUEST_KINDS[4]
+        elif r["turn"] > 0:
+            kind = REQUEST_KINDS[3]
+        else:
+            fam = family.get(r["sid"])
+            kind = REQUEST_KINDS[min(place[fam], 2)]
+            place[fam] += 1
+        out[(r["sid"], r["turn"])] = kind
+    return out
+
+
+def request_deltas(
+    base: dict[str, Any], other: dict[str, Any], plan_cfg: PlanConfig
+) -> dict[str, dict[str, int]]:
+    """Two runs of one seed, request by request: per kind, how many requests ``base`` cached
+    more of (``more``) and fewer of (``fewer``), and the cached tokens it had over ``other``
+    (``net``, negative where ``other`` had more). Same seed, same requests, so this shows where
+    a reuse difference comes from even for a router whose answers name no replica."""
+    kinds = request_kinds(base, plan_cfg)
+    theirs = {
+        (r["sid"], r["turn"]): r.get("cached_tokens")
+        for r in other["records"]
+        if r.get("error") is None
+    }
+    out = {k: {"more": 0, "fewer": 0, "net": 0} for k in REQUEST_KINDS}
+    for r in base["records"]:
+        key = (r["sid"], r["turn"])
+        mine, other_cached = r.get("cached_tokens"), theirs.get(key)
+        if r.get("error") is not None or mine is None or other_cached is None:
+            continue
+        cell = out[kinds[key]]
+        cell["net"] += mine - other_cached
+        if mine != other_cached:
+            cell["more" if mine > other_cached else "fewer"] += 1
+    return out
+
+
+def deltas_table(doc: dict[str, Any], base: str, order: Sequence[str]) -> str:
+    """``base`` against each other policy, over the (seed, repeat) pairs both ran: per kind of
+    request, requests ``base`` cached more / fewer of per pair and the net cached tokens per
+    pair (:func:`request_deltas`)."""
+    plan_cfg = _plan_config(doc.get("config") or {})
+    runs = {(r["policy"], r["seed"], r["repeat"]): r for r in doc.get("runs") or []}
+    lines = [
+        f"| {base} vs | pairs | "
+        + " | ".join(f"{k}: more / fewer, net tokens" for k in REQUEST_KINDS)
+        + " | net tokens per pair |",
+        "|---|---|" + "---|" * (len(REQUEST_KINDS) + 1),
+    ]
+    for policy in [p for p in order if p != base]:
+        pairs = [
+            (runs[(base, s, k)], runs[(p, s, k)])
+            for (p, s, k) in sorted(runs)
+            if p == policy and (base, s, k) in runs
+        ]
+        if not pairs:
+            continue
+        tot = {k: Counter() for k in REQUEST_KINDS}
+        for mine, theirs in pairs:
+            for k, cell in request_deltas(mine, theirs, plan_cfg).items():
+                tot[k].update(cell)
+        n = len(pairs)
+        cells = [
+            f"{tot[k]['more'] / n:.1f} / {tot[k]['fewer'] / n:.1f}, {tot[k]['net'] / n:+.0f}"
+            for k in REQUEST_KINDS
+        ]
+        net = sum(tot[k]["net"] for k in REQUEST_KINDS) / n
+        lines.append(f"| {policy} | {n} | " + " | ".join(cells) + f" | {net:+.0f} |")
+    return "\n".join(lines)
+
+
 def losses_table(doc: dict[str, Any], order: Sequence[str]) -> str:
     """Per policy, summed over its runs: first-turn reuse and misses, later turns against
     their bound, one-offs. A policy whose answers name no replica (vllm-router) cannot tell

@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bench.real_vllm.load_losses import ceiling_table, losses_table
+from bench.real_vllm.load_losses import ceiling_table, deltas_table, losses_table
 
 POLICY_ORDER = ("kv", "prefix_group_blind", "cache_aware", "least_load", "round_robin")
 
@@ -573,6 +573,8 @@ def report(doc: dict[str, Any]) -> str:
             prefill_split(runs),
             "\n## Where reuse is lost (bench/real_vllm/load_losses.py)\n",
             losses_table(doc, _order({r["policy"] for r in runs})),
+            "\n## Request by request (same seed and repeat: where the cached tokens differ)\n",
+            deltas_table(doc, paired_base(runs), _order({r["policy"] for r in runs})),
             "\n## Against the ceiling (no eviction, no split family: load_losses.run_ceiling)\n",
             ceiling_table(doc, _order({r["policy"] for r in runs})),
             "\n## Prediction exactness by requests in flight at send\n",
