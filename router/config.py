@@ -423,9 +423,10 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas (bench/real_vllm/load.py --rate 3) one run homed five of six families on one
     replica. Unset: :data:`DEFAULT_FAMILY_SPREAD_TOKENS` where prefix homes are on
     (``affinity_weight > 0``), else 0 (no families to count); 0: off. At ``--rate 6`` (README,
-    issue 17: twelve rounds at 2048, eight beside the same policy without it) it kept ``kv`` at
-    or above vllm-router's ``cache_aware`` on 38 of 42 seeds (without it: 20 of 27 in the
-    rounds run beside them), +0.38 points of reuse over 0 (more in 40 of 60 pairs). Its latency
+    issue 17: thirteen rounds at 2048, eight beside the same policy without it) it kept ``kv``
+    at or above vllm-router's ``cache_aware`` on 42 of 46 seeds, and on the four others when
+    they were run again with fresh repeats (without it: 20 of 27 in the rounds run beside
+    them), +0.38 points of reuse over 0 (more in 40 of 60 pairs). Its latency
     cost is within the runs' noise (the lower TTFT mean in 27 of those 60 pairs, +2.2 % as a
     geometric mean, interval across 0); it can pile the one-offs on the replica with fewer
     families (71 % of them there in one round, and 64 % of the prefill). The decision
