@@ -26,6 +26,20 @@ from tests.zmq_helpers import (
 U64 = 2**64 - 1
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _sigint_as_a_terminal_gives_it() -> Any:
+    """The tails these tests start get SIGINT the way a terminal's Ctrl-C reaches them. A shell
+    without job control starts a background job (``bash .ci/run &``) with SIGINT ignored, every
+    child inherits that, and Python leaves an ignored SIGINT ignored: the tail then rightly
+    outlives the tests' SIGINT and they time out. A handler in this process is reset to the
+    default at exec, so the children start as from a terminal."""
+    old = signal.getsignal(signal.SIGINT)
+    if old is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 class Tail:
     """``python -m router.cli events tail ARGS`` with its output collected line by line."""
 
