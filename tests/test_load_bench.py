@@ -554,7 +554,8 @@ def test_the_ceiling_counts_two_misses_per_family_and_each_later_turn_s_bound() 
 
 
 def test_request_deltas_compare_two_runs_request_by_request_and_kind_by_kind() -> None:
-    from bench.real_vllm.load_losses import deltas_table, request_deltas, request_kinds
+    from bench.real_vllm.load_losses import request_deltas, request_kinds
+    from bench.real_vllm.load_report import deltas_table
 
     cfg = PlanConfig(requests=60)
     plan = make_plan(35, cfg)
@@ -600,7 +601,7 @@ def test_request_deltas_compare_two_runs_request_by_request_and_kind_by_kind() -
             {"policy": "cache_aware", "seed": 35, "repeat": 2, "records": theirs},  # no pair
         ],
     }
-    row = deltas_table(doc, "kv", ["kv", "cache_aware"]).splitlines()[2]
+    row = deltas_table(doc, "kv").splitlines()[2]
     assert row == (
         "| cache_aware | 1 | 0.0 / 0.0, +0 | 1.0 / 0.0, +416 | 0.0 / 1.0, -32 "
         "| 0.0 / 1.0, -600 | 0.0 / 0.0, +0 | -216 |"

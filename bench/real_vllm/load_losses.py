@@ -39,7 +39,8 @@ BLOCK = 32
 """The benchmark model's block size (bench/real_vllm/model.py)."""
 
 
-def _plan_config(cfg: dict[str, Any]) -> PlanConfig:
+def plan_config(cfg: dict[str, Any]) -> PlanConfig:
+    """The plan settings a benchmark document's ``config`` recorded."""
     names = {f.name for f in dataclasses.fields(PlanConfig)}
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items() if k in names}
     return PlanConfig(**kw)
@@ -139,7 +140,7 @@ def run_ceiling(run: dict[str, Any], plan_cfg: PlanConfig) -> tuple[int, int]:
 def ceiling_table(doc: dict[str, Any], order: Sequence[str]) -> str:
     """Per policy and seed, the mean reuse against the mean ceiling of the same runs
     (:func:`run_ceiling`), and the share of the ceiling reached."""
-    plan_cfg = _plan_config(doc.get("config") or {})
+    plan_cfg = plan_config(doc.get("config") or {})
     got: dict[str, dict[int, list[tuple[float, float]]]] = {}
     for run in doc.get("runs") or []:
         ceiling, prompt = run_ceiling(run, plan_cfg)
@@ -226,45 +227,11 @@ def request_deltas(
     return out
 
 
-def deltas_table(doc: dict[str, Any], base: str, order: Sequence[str]) -> str:
-    """``base`` against each other policy, over the (seed, repeat) pairs both ran: per kind of
-    request, requests ``base`` cached more / fewer of per pair and the net cached tokens per
-    pair (:func:`request_deltas`)."""
-    plan_cfg = _plan_config(doc.get("config") or {})
-    runs = {(r["policy"], r["seed"], r["repeat"]): r for r in doc.get("runs") or []}
-    lines = [
-        f"| {base} vs | pairs | "
-        + " | ".join(f"{k}: more / fewer, net tokens" for k in REQUEST_KINDS)
-        + " | net tokens per pair |",
-        "|---|---|" + "---|" * (len(REQUEST_KINDS) + 1),
-    ]
-    for policy in [p for p in order if p != base]:
-        pairs = [
-            (runs[(base, s, k)], runs[(p, s, k)])
-            for (p, s, k) in sorted(runs)
-            if p == policy and (base, s, k) in runs
-        ]
-        if not pairs:
-            continue
-        tot = {k: Counter() for k in REQUEST_KINDS}
-        for mine, theirs in pairs:
-            for k, cell in request_deltas(mine, theirs, plan_cfg).items():
-                tot[k].update(cell)
-        n = len(pairs)
-        cells = [
-            f"{tot[k]['more'] / n:.1f} / {tot[k]['fewer'] / n:.1f}, {tot[k]['net'] / n:+.0f}"
-            for k in REQUEST_KINDS
-        ]
-        net = sum(tot[k]["net"] for k in REQUEST_KINDS) / n
-        lines.append(f"| {policy} | {n} | " + " | ".join(cells) + f" | {net:+.0f} |")
-    return "\n".join(lines)
-
-
 def losses_table(doc: dict[str, Any], order: Sequence[str]) -> str:
     """Per policy, summed over its runs: first-turn reuse and misses, later turns against
     their bound, one-offs. A policy whose answers name no replica (vllm-router) cannot tell
     a moved turn from one that stayed, nor a family new on a replica."""
-    plan_cfg = _plan_config(doc.get("config") or {})
+    plan_cfg = plan_config(doc.get("config") or {})
     tot: dict[str, Counter[str]] = {}
     runs_of: Counter[str] = Counter()
     for run in doc.get("runs") or []:

@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bench.real_vllm.load_losses import ceiling_table, deltas_table, losses_table
+from bench.real_vllm.load_losses import (
+    REQUEST_KINDS,
+    ceiling_table,
+    losses_table,
+    plan_config,
+    request_deltas,
+)
 
 POLICY_ORDER = ("kv", "prefix_group_blind", "cache_aware", "least_load", "round_robin")
 
@@ -414,6 +421,37 @@ def paired_table(runs: Sequence[dict[str, Any]], base: str | None = None) -> str
     return "\n".join(lines)
 
 
+def deltas_table(doc: dict[str, Any], base: str | None = None) -> str:
+    """``base`` against each other policy, over the (seed, repeat) pairs both ran: per kind of
+    request, requests ``base`` cached more / fewer of per pair and the net cached tokens per
+    pair (load_losses.request_deltas)."""
+    runs = doc.get("runs") or []
+    base = paired_base(runs) if base is None else base
+    plan_cfg = plan_config(doc.get("config") or {})
+    lines = [
+        f"| {base} vs | pairs | "
+        + " | ".join(f"{k}: more / fewer, net tokens" for k in REQUEST_KINDS)
+        + " | net tokens per pair |",
+        "|---|---|" + "---|" * (len(REQUEST_KINDS) + 1),
+    ]
+    for other in _order({r["policy"] for r in runs} - {base}):
+        pairs = _pairs(runs, base, other)
+        if not pairs:
+            continue
+        tot = {k: Counter() for k in REQUEST_KINDS}
+        for mine, theirs in pairs:
+            for k, cell in request_deltas(mine, theirs, plan_cfg).items():
+                tot[k].update(cell)
+        n = len(pairs)
+        cells = [
+            f"{tot[k]['more'] / n:.1f} / {tot[k]['fewer'] / n:.1f}, {tot[k]['net'] / n:+.0f}"
+            for k in REQUEST_KINDS
+        ]
+        net = sum(tot[k]["net"] for k in REQUEST_KINDS) / n
+        lines.append(f"| {other} | {n} | " + " | ".join(cells) + f" | {net:+.0f} |")
+    return "\n".join(lines)
+
+
 def _log_ratio(a: dict[str, Any], b: dict[str, Any], stat: str) -> float | None:
     x, y = a["ttft_ms"].get(stat), b["ttft_ms"].get(stat)
     return math.log(x / y) if x and y else None
@@ -574,7 +612,7 @@ def report(doc: dict[str, Any]) -> str:
             "\n## Where reuse is lost (bench/real_vllm/load_losses.py)\n",
             losses_table(doc, _order({r["policy"] for r in runs})),
             "\n## Request by request (same seed and repeat: where the cached tokens differ)\n",
-            deltas_table(doc, paired_base(runs), _order({r["policy"] for r in runs})),
+            deltas_table(doc),
             "\n## Against the ceiling (no eviction, no split family: load_losses.run_ceiling)\n",
             ceiling_table(doc, _order({r["policy"] for r in runs})),
             "\n## Prediction exactness by requests in flight at send\n",
